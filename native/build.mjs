@@ -1,0 +1,47 @@
+#!/usr/bin/env node
+// Builds the native addon with node-gyp. Checks the toolchain first so that a
+// missing compiler or header gives one clear message instead of a gyp trace.
+import { spawnSync } from 'node:child_process';
+import { existsSync } from 'node:fs';
+import { dirname, join } from 'node:path';
+import { fileURLToPath } from 'node:url';
+
+const root = dirname(dirname(fileURLToPath(import.meta.url)));
+
+function have(cmd) {
+  return spawnSync('sh', ['-c', `command -v ${cmd}`], { stdio: 'ignore' }).status === 0;
+}
+
+function fail(msg) {
+  console.error(`forkling: cannot build the native addon: ${msg}`);
+  process.exit(1);
+}
+
+if (process.platform !== 'linux') fail('forkling runs on Linux only (it needs KVM or Linux namespaces).');
+if (!have('c++') && !have('g++')) fail('no C++ compiler found. Install it with: apt-get install g++');
+if (!have('make')) fail('make not found. Install it with: apt-get install make');
+if (!have('python3')) fail('python3 (needed by node-gyp) not found. Install it with: apt-get install python3');
+
+// Node's headers: from npm's configured nodedir, or next to the running node.
+const nodedir = process.env.npm_config_nodedir || dirname(dirname(process.execPath));
+if (!existsSync(join(nodedir, 'include', 'node', 'node_api.h'))) {
+  fail(
+    `Node.js headers not found under ${nodedir}/include/node. Install them with: apt-get install libnode-dev ` +
+      '(or point npm at them: npm config set nodedir <dir>)',
+  );
+}
+if (!existsSync('/usr/include/linux/kvm.h')) fail('Linux headers (linux/kvm.h) not found. Install them with: apt-get install linux-libc-dev');
+if (!existsSync(join(root, 'node_modules', 'node-addon-api'))) fail('node-addon-api is missing: run npm install first.');
+
+const candidates = [
+  process.env.npm_config_node_gyp,
+  join(dirname(process.execPath), '..', 'lib', 'node_modules', 'npm', 'node_modules', 'node-gyp', 'bin', 'node-gyp.js'),
+].filter(Boolean);
+const gyp = candidates.find((p) => existsSync(p));
+if (!gyp) fail('node-gyp not found (it ships with npm). Reinstall npm, or: npm install -g node-gyp');
+
+const r = spawnSync(process.execPath, [gyp, 'rebuild', `--nodedir=${nodedir}`, '-j', 'max'], {
+  cwd: join(root, 'native'),
+  stdio: 'inherit',
+});
+if (r.status !== 0) fail(`node-gyp exited with status ${r.status}; the compiler output is above.`);
