@@ -1,0 +1,175 @@
+#!/usr/bin/env node
+// The whole test suite: type check, lint, unit tests, addon tests, KVM tests.
+// Each test file runs in its own process (a native crash fails one file, not
+// the run). Ends with the plain line `N passed, N failed`.
+//
+//   node test/run.mjs            everything
+//   node test/run.mjs unit       only test/unit
+//   node test/run.mjs lab        only the KVM tests (in the lab, or directly where /dev/kvm works)
+//   node test/run.mjs kvm-direct run test/kvm directly (used inside the lab)
+//   FORKLING_TEST_FILTER=regex   only test files whose path matches
+import { spawn, spawnSync } from 'node:child_process';
+import { accessSync, constants, readdirSync } from 'node:fs';
+import { dirname, join, relative } from 'node:path';
+import { fileURLToPath } from 'node:url';
+
+const root = dirname(dirname(fileURLToPath(import.meta.url)));
+const CI = process.env.CI === 'true';
+const filter = process.env.FORKLING_TEST_FILTER ? new RegExp(process.env.FORKLING_TEST_FILTER) : null;
+const tsx = join(root, 'node_modules', '.bin', 'tsx');
+let passed = 0;
+let failed = 0;
+const failures = [];
+
+function section(title) {
+  console.log(`\n=== ${title}`);
+}
+
+/** A part that cannot run: said on its own line; fails the run under CI. */
+function skip(part, why) {
+  console.log(`SKIP ${part}: ${why}${CI ? ' (counted as a failure because CI=true)' : ''}`);
+  if (CI) {
+    failed++;
+    failures.push(`${part} (skipped)`);
+  }
+}
+
+function record(name, ok) {
+  if (ok) passed++;
+  else {
+    failed++;
+    failures.push(name);
+  }
+}
+
+function runCheck(name, cmd, args) {
+  section(name);
+  const r = spawnSync(cmd, args, { cwd: root, stdio: 'inherit' });
+  console.log(`${r.status === 0 ? 'ok' : 'FAILED'}: ${name}`);
+  record(name, r.status === 0);
+}
+
+function listTests(dir) {
+  const abs = join(root, dir);
+  let out = [];
+  try {
+    for (const e of readdirSync(abs, { withFileTypes: true })) {
+      const p = join(abs, e.name);
+      if (e.isDirectory()) out = out.concat(listTests(relative(root, p)));
+      else if (e.name.endsWith('.test.ts')) out.push(relative(root, p));
+    }
+  } catch {}
+  return out.filter((f) => !filter || filter.test(f)).sort();
+}
+
+/** Runs one uvu file; counts its tests from uvu's summary. Returns when it ends. */
+function runFile(file, timeoutMs) {
+  return new Promise((resolve) => {
+    const started = Date.now();
+    const p = spawn(tsx, [file], {
+      cwd: root,
+      env: { ...process.env, FORCE_COLOR: '0', NO_COLOR: '1' },
+      stdio: ['ignore', 'pipe', 'pipe'],
+      detached: true,
+    });
+    let out = '';
+    p.stdout.on('data', (d) => {
+      out += d;
+    });
+    p.stderr.on('data', (d) => {
+      out += d;
+    });
+    const timer = setTimeout(() => {
+      out += `\n[test runner] ${file} exceeded ${timeoutMs / 1000}s; killed\n`;
+      try {
+        process.kill(-p.pid, 'SIGKILL');
+      } catch {}
+    }, timeoutMs);
+    p.on('close', (code) => {
+      clearTimeout(timer);
+      const total = Number(/Total:\s+(\d+)/.exec(out)?.[1] ?? 0);
+      const ok = Number(/Passed:\s+(\d+)/.exec(out)?.[1] ?? 0);
+      console.log(`--- ${file} (${((Date.now() - started) / 1000).toFixed(1)}s)`);
+      process.stdout.write(out.replace(/\s+$/, '') + '\n');
+      if (total === 0) {
+        console.log(`FAILED: ${file} ran no test (exit ${code})`);
+        record(file, false);
+      } else {
+        passed += ok;
+        const bad = total - ok + (code !== 0 && ok === total ? 1 : 0);
+        failed += bad;
+        if (bad) failures.push(file);
+      }
+      resolve();
+    });
+  });
+}
+
+async function runFiles(title, files, { parallel = 2, timeoutMs = 300_000 } = {}) {
+  section(title);
+  if (files.length === 0) {
+    skip(title, 'no test files found');
+    return;
+  }
+  const queue = [...files];
+  await Promise.all(
+    Array.from({ length: Math.min(parallel, queue.length) }, async () => {
+      while (queue.length) await runFile(queue.shift(), timeoutMs);
+    }),
+  );
+}
+
+function kvmUsable() {
+  try {
+    accessSync('/dev/kvm', constants.R_OK | constants.W_OK);
+    return true;
+  } catch {
+    return false;
+  }
+}
+
+async function runKvm() {
+  const files = listTests('test/kvm');
+  if (kvmUsable()) {
+    await runFiles('KVM tests (directly: /dev/kvm is usable here)', files, { parallel: 1, timeoutMs: 600_000 });
+    return;
+  }
+  section('KVM lab (software-emulated machine with nested KVM)');
+  const lab = spawnSync(tsx, [join(root, 'test', 'lab', 'run.ts'), '--summary-json'], {
+    cwd: root,
+    stdio: ['ignore', 'inherit', 'inherit'],
+    env: process.env,
+  });
+  // The lab prints the inner suite's counts on a line `LAB-RESULT {"passed":N,"failed":N,"failures":[...]}`
+  // to a file it names on fd 1; we read them back from its exit status + summary file.
+  const summaryFile = join(root, '.lab', 'last-summary.json');
+  let summary = null;
+  try {
+    summary = JSON.parse((await import('node:fs')).readFileSync(summaryFile, 'utf8'));
+  } catch {}
+  if (!summary || summary.startedAt < startedAt) {
+    console.log(`FAILED: the lab produced no result (exit ${lab.status})`);
+    record('KVM lab', false);
+    return;
+  }
+  passed += summary.passed;
+  failed += summary.failed;
+  failures.push(...summary.failures.map((f) => `lab: ${f}`));
+  if (lab.status !== 0 && summary.failed === 0) record('KVM lab exit status', false);
+}
+
+const startedAt = Date.now();
+const mode = process.argv[2] ?? 'all';
+
+if (mode === 'all') {
+  runCheck('type check (tsc --noEmit, strict)', join(root, 'node_modules', '.bin', 'tsc'), ['-p', 'tsconfig.json', '--noEmit']);
+  runCheck('lint (biome)', join(root, 'node_modules', '.bin', 'biome'), ['lint', '.']);
+}
+if (mode === 'all' || mode === 'unit') await runFiles('unit tests', listTests('test/unit'));
+if (mode === 'all' || mode === 'unit') await runFiles('addon tests', listTests('test/native'));
+if (mode === 'all' || mode === 'lab') await runKvm();
+if (mode === 'kvm-direct') await runFiles('KVM tests', listTests('test/kvm'), { parallel: 1, timeoutMs: 600_000 });
+
+if (failures.length) console.log(`\nfailed: ${failures.join(', ')}`);
+console.log(`\n${passed} passed, ${failed} failed`);
+process.exit(failed === 0 ? 0 : 1);
