@@ -1,0 +1,14 @@
+// The forkling native addon. Each part registers its functions on `exports`.
+#include <napi.h>
+
+namespace forkling {
+// Raw syscall layer (syscalls.cc): /dev/kvm, KVM ioctls, mmap family, memfd, eventfd.
+void InitSyscalls(Napi::Env env, Napi::Object exports);
+}  // namespace forkling
+
+static Napi::Object Init(Napi::Env env, Napi::Object exports) {
+  forkling::InitSyscalls(env, exports);
+  return exports;
+}
+
+NODE_API_MODULE(forkling, Init)
