@@ -1,0 +1,61 @@
+// `forkling <command> [...]`: dispatches to one module per command group.
+// Modules load lazily so `forkling doctor` does not pay for the server.
+import { UserError } from '../errors.ts';
+
+type Command = (argv: string[]) => Promise<number>;
+
+interface Entry {
+  usage: string;
+  summary: string;
+  load: () => Promise<Command>;
+}
+
+const COMMANDS: Record<string, Entry> = {
+  doctor: {
+    usage: 'doctor [--json] [--engine kvm|process|auto]',
+    summary: 'check this host: KVM, kernel, cgroups, namespaces, store, lab tools',
+    load: async () => (await import('./doctor.ts')).doctorCommand,
+  },
+};
+
+function help(): string {
+  const lines = ['forkling: fork warm sandboxes for AI agents in milliseconds', '', 'usage: forkling <command> [options]', ''];
+  for (const e of Object.values(COMMANDS)) lines.push(`  forkling ${e.usage.padEnd(58)} ${e.summary}`);
+  lines.push('', 'Run `forkling <command> --help` for the options of one command.');
+  return lines.join('\n');
+}
+
+/** Prints a people-facing error and returns its exit code; anything else is a bug and keeps its stack. */
+export function reportError(e: unknown): number {
+  if (e instanceof UserError) {
+    console.error(`forkling: ${e.message}`);
+    if (e.hint) console.error(`  fix: ${e.hint}`);
+    return e.exitCode;
+  }
+  console.error(e instanceof Error ? (e.stack ?? e.message) : String(e));
+  return 70;
+}
+
+export async function main(argv: string[]): Promise<number> {
+  const [name, ...rest] = argv;
+  if (!name || name === 'help' || name === '--help' || name === '-h') {
+    console.log(help());
+    return name ? 0 : 2;
+  }
+  if (name === '--version' || name === 'version') {
+    const { readFileSync } = await import('node:fs');
+    const pkg = JSON.parse(readFileSync(new URL('../../package.json', import.meta.url), 'utf8')) as { version: string };
+    console.log(pkg.version);
+    return 0;
+  }
+  const entry = COMMANDS[name];
+  if (!entry) {
+    console.error(`forkling: unknown command ${JSON.stringify(name)}\n  fix: run \`forkling help\` for the list of commands`);
+    return 2;
+  }
+  try {
+    return await (await entry.load())(rest);
+  } catch (e) {
+    return reportError(e);
+  }
+}
