@@ -2,7 +2,7 @@
   "targets": [
     {
       "target_name": "forkling",
-      "sources": ["<!@(ls -1 src/*.cc src/*/*.cc 2>/dev/null)"],
+      "sources": ["<!@(find src -name '*.cc' | sort)"],
       "include_dirs": ["<!(node -p \"require('node-addon-api').include_dir\")", "src"],
       "dependencies": ["<!(node -p \"require('node-addon-api').targets\"):node_addon_api_except"],
       "cflags_cc!": ["-fno-exceptions", "-fno-rtti"],
