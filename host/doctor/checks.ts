@@ -1,0 +1,150 @@
+// Host checks shared by `forkling doctor` and engine selection. Each check is
+// quick, reads the system as it is, and says how to fix what fails.
+import { spawnSync } from 'node:child_process';
+import { accessSync, constants, existsSync, readFileSync, statfsSync } from 'node:fs';
+import { release } from 'node:os';
+import { dirname } from 'node:path';
+import { storeRoot } from '../store.ts';
+import { probeKvm } from './kvm-probe.ts';
+
+export interface Check {
+  name: string;
+  status: 'pass' | 'warn' | 'fail';
+  detail: string;
+  fix?: string;
+}
+
+export interface DoctorReport {
+  ok: boolean;
+  engine: 'kvm' | 'process';
+  engineReason: string;
+  checks: Check[];
+}
+
+const readText = (p: string): string | undefined => {
+  try {
+    return readFileSync(p, 'utf8').trim();
+  } catch {
+    return undefined;
+  }
+};
+
+const which = (cmd: string): boolean => spawnSync('sh', ['-c', `command -v ${cmd}`], { stdio: 'ignore' }).status === 0;
+
+function nodeCheck(): Check {
+  const major = Number(process.versions.node.split('.')[0]);
+  return major >= 20
+    ? { name: 'node', status: 'pass', detail: `Node.js ${process.versions.node}` }
+    : { name: 'node', status: 'fail', detail: `Node.js ${process.versions.node} is too old`, fix: 'install Node.js 20 or newer' };
+}
+
+function kernelCheck(): Check {
+  const r = release();
+  const [maj = 0, min = 0] = r.split('.').map((x) => Number.parseInt(x, 10));
+  const ok = maj > 5 || (maj === 5 && min >= 10);
+  return ok
+    ? { name: 'host kernel', status: 'pass', detail: `Linux ${r}` }
+    : { name: 'host kernel', status: 'warn', detail: `Linux ${r} is older than 5.10; untested`, fix: 'use a host kernel 5.10 or newer' };
+}
+
+function cgroupCheck(): Check {
+  const v2 = existsSync('/sys/fs/cgroup/cgroup.controllers');
+  const v1 = ['memory', 'pids', 'cpu'].filter((c) => existsSync(`/sys/fs/cgroup/${c}/tasks`));
+  if (v2) {
+    const ctrl = readText('/sys/fs/cgroup/cgroup.controllers') ?? '';
+    return { name: 'cgroups', status: 'pass', detail: `v2 (controllers: ${ctrl || 'none delegated'})` };
+  }
+  if (v1.length === 3) return { name: 'cgroups', status: 'pass', detail: `v1 (${v1.join(', ')})` };
+  return {
+    name: 'cgroups',
+    status: 'warn',
+    detail: v1.length ? `v1, only ${v1.join(', ')}` : 'no usable cgroup hierarchy',
+    fix: 'mount cgroup v2 at /sys/fs/cgroup for memory/pids/cpu limits in the process engine',
+  };
+}
+
+function userNsCheck(): Check {
+  const max = Number(readText('/proc/sys/user/max_user_namespaces') ?? '0');
+  const clone = readText('/proc/sys/kernel/unprivileged_userns_clone');
+  const apparmor = readText('/proc/sys/kernel/apparmor_restrict_unprivileged_userns');
+  const root = process.getuid?.() === 0;
+  const probe = which('unshare') ? spawnSync('unshare', ['-U', '-r', 'true'], { stdio: 'ignore' }).status === 0 : undefined;
+  if (probe === true || (probe === undefined && max > 0 && clone !== '0' && apparmor !== '1')) {
+    return { name: 'user namespaces', status: 'pass', detail: `available (max ${max})` };
+  }
+  return {
+    name: 'user namespaces',
+    status: root ? 'warn' : 'fail',
+    detail: `not available to this user (max_user_namespaces=${max}${clone === '0' ? ', unprivileged_userns_clone=0' : ''}${apparmor === '1' ? ', restricted by AppArmor' : ''})${root ? '; root can still use the other namespaces' : ''}`,
+    fix: 'sysctl -w kernel.unprivileged_userns_clone=1 user.max_user_namespaces=15000 (or run as root)',
+  };
+}
+
+function userfaultfdCheck(): Check {
+  const unpriv = readText('/proc/sys/vm/unprivileged_userfaultfd');
+  const dev = existsSync('/dev/userfaultfd');
+  const root = process.getuid?.() === 0;
+  if (root || unpriv === '1' || dev) {
+    return { name: 'userfaultfd', status: 'pass', detail: `available${dev ? ' (/dev/userfaultfd)' : ''}` };
+  }
+  return {
+    name: 'userfaultfd',
+    status: 'warn',
+    detail: 'not available to this user (not needed by the current engines)',
+    fix: 'sysctl -w vm.unprivileged_userfaultfd=1',
+  };
+}
+
+function storeCheck(): Check {
+  const root = storeRoot();
+  let dir = root;
+  while (!existsSync(dir) && dir !== '/') dir = dirname(dir);
+  try {
+    const s = statfsSync(dir);
+    const freeGiB = (Number(s.bavail) * Number(s.bsize)) / 2 ** 30;
+    const detail = `${root}: ${freeGiB.toFixed(1)} GiB free`;
+    if (freeGiB < 0.5) return { name: 'store space', status: 'fail', detail, fix: `free space on the disk of ${dir} or set FORKLING_HOME elsewhere` };
+    if (freeGiB < 4) return { name: 'store space', status: 'warn', detail, fix: 'images and templates take 0.1-2 GiB each; free some space' };
+    try {
+      accessSync(dir, constants.W_OK);
+    } catch {
+      return { name: 'store space', status: 'fail', detail: `${dir} is not writable`, fix: 'set FORKLING_HOME to a writable directory' };
+    }
+    return { name: 'store space', status: 'pass', detail };
+  } catch (e) {
+    return { name: 'store space', status: 'fail', detail: `cannot stat ${dir}: ${(e as Error).message}`, fix: 'set FORKLING_HOME' };
+  }
+}
+
+function toolCheck(name: string, cmds: string[], pkg: string, why: string): Check {
+  const missing = cmds.filter((c) => !which(c));
+  return missing.length === 0
+    ? { name, status: 'pass', detail: `${cmds.join(', ')} found` }
+    : { name, status: 'warn', detail: `${missing.join(', ')} missing (${why})`, fix: `apt-get install ${pkg}` };
+}
+
+export async function runChecks(wanted: 'kvm' | 'process' | 'auto'): Promise<DoctorReport> {
+  const kvm = probeKvm();
+  const checks: Check[] = [nodeCheck(), ...kvm.checks, kernelCheck(), cgroupCheck(), userNsCheck(), userfaultfdCheck(), storeCheck()];
+  checks.push(toolCheck('image tools', ['mmdebstrap', 'apt-get', 'zstd'], 'mmdebstrap zstd', 'needed to build guest images'));
+  checks.push(toolCheck('lab tools', ['qemu-system-x86_64', 'busybox'], 'qemu-system-x86 busybox-static', 'needed only for the KVM lab tests'));
+
+  const nsOk = checks.find((c) => c.name === 'user namespaces')?.status !== 'fail';
+  const storeOk = checks.find((c) => c.name === 'store space')?.status !== 'fail';
+  let engine: 'kvm' | 'process';
+  let engineReason: string;
+  let ok: boolean;
+  if (wanted === 'kvm' || (wanted === 'auto' && kvm.usable)) {
+    engine = 'kvm';
+    ok = kvm.usable && storeOk;
+    engineReason = kvm.usable ? (wanted === 'auto' ? '/dev/kvm is usable' : 'requested') : kvm.reason;
+  } else {
+    engine = 'process';
+    ok = nsOk && storeOk;
+    engineReason =
+      wanted === 'auto'
+        ? `/dev/kvm is not usable (${kvm.reason}); the process engine isolates with Linux namespaces, weaker than a VM`
+        : 'requested; isolation by Linux namespaces, weaker than a VM';
+  }
+  return { ok, engine, engineReason, checks };
+}
