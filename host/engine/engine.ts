@@ -50,6 +50,12 @@ export interface Sandbox {
   readonly engine: EngineName;
   /** The agent in this sandbox; connected and past `restore` when handed out. */
   readonly agent: AgentClient;
+  /**
+   * performance.now() when its creation began and when it became ready (its
+   * agent answered: hello for a boot, restore for a fork or branch child).
+   * Figures are measured from these, never from when an API call returned.
+   */
+  readonly timings: { startedAt: number; readyAt: number };
   /** Recent console lines (bounded). */
   readonly console: readonly string[];
   /** Resolves once the sandbox has ended, for whatever reason. */
