@@ -1,0 +1,72 @@
+#include "vmm/virtio_rng.h"
+
+#include <sys/random.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace forkling::vmm {
+
+void VirtioRng::ReadConfig(uint32_t offset, uint8_t* data, uint32_t len) {
+  // No config space.
+  std::memset(data, 0, len);
+}
+
+void VirtioRng::Activate(const GuestMemory& mem, const std::vector<QueueConfig>& queues, uint64_t driver_features,
+                         NotifyGuest notify_guest) {
+  std::lock_guard<std::mutex> l(mu_);
+  QueueConfig cfg = queues.empty() ? QueueConfig() : queues[0];
+  std::string err = queue_.Init(mem, cfg, kQueueSize, (driver_features & kVirtioFIndirectDesc) != 0, "virtio-rng queue");
+  notify_ = std::move(notify_guest);
+  active_ = err.empty();
+  if (!err.empty()) Fail(err);
+}
+
+void VirtioRng::QueueNotify(uint16_t queue) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (!active_ || queue != 0 || failed()) return;
+  bool pushed = false;
+  uint8_t buf[4096];
+  for (;;) {
+    std::string err;
+    Virtqueue::PopResult r = queue_.Pop(&chain_, &err);
+    if (r == Virtqueue::PopResult::kEmpty) break;
+    if (r == Virtqueue::PopResult::kError) {
+      active_ = false;
+      Fail(err);
+      break;
+    }
+    uint64_t want = chain_.writable_len < kMaxBytesPerRequest ? chain_.writable_len : kMaxBytesPerRequest;
+    uint64_t done = 0;
+    while (done < want) {
+      size_t n = want - done < sizeof buf ? want - done : sizeof buf;
+      ssize_t got = getrandom(buf, n, 0);
+      if (got < 0) {
+        if (errno == EINTR) continue;
+        active_ = false;
+        Fail(std::string("virtio-rng: getrandom failed: ") + std::strerror(errno));
+        return;
+      }
+      chain_.Write(done, buf, static_cast<uint64_t>(got));
+      done += static_cast<uint64_t>(got);
+    }
+    queue_.PushUsed(chain_.head, static_cast<uint32_t>(done));
+    pushed = true;
+  }
+  if (pushed && notify_ && queue_.ShouldNotify()) notify_(0);
+}
+
+void VirtioRng::Reset() {
+  std::lock_guard<std::mutex> l(mu_);
+  active_ = false;
+  queue_.Clear();
+  notify_ = nullptr;
+  ClearFailure();
+}
+
+Virtqueue::State VirtioRng::SaveQueue() const {
+  std::lock_guard<std::mutex> l(mu_);
+  return queue_.state();
+}
+
+}  // namespace forkling::vmm

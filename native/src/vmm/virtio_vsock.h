@@ -1,0 +1,240 @@
+// virtio-vsock (device id 19): the guest's AF_VSOCK stream sockets, bridged
+// to Unix stream sockets on the host.
+//
+//   host -> guest: the host connects to the Unix socket `uds_path` and writes
+//     "CONNECT <port>\n"; the device asks the guest to connect to <port> from
+//     a fresh host port; when the guest accepts, the device writes
+//     "OK <host port>\n" and then bridges bytes both ways. When the guest
+//     refuses (or does not answer in time) the Unix connection is closed.
+//   guest -> host: a guest connection to CID 2 port P is bridged to the Unix
+//     socket "<uds_path>_<P>"; the guest gets a reset when nothing listens.
+//
+// Credit flow control follows the virtio spec (buf_alloc / fwd_cnt): the
+// device never sends the guest more than it has room for, and resets a
+// connection whose guest sends beyond the credit the device gave it.
+//
+// Threading: one event-loop thread per device (started by Activate, stopped
+// by Reset and the destructor) owns the queues and all connections; vCPU
+// threads only kick it through an eventfd. notify_guest and the failure
+// callback are called on that thread and must not call Reset.
+//
+// Guest packets are checked: a malformed descriptor chain fails the device;
+// a malformed packet (short header, length beyond the buffer or 64 KiB,
+// wrong CIDs, type or op) is dropped or answered with a reset, and counted.
+#pragma once
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "vmm/virtio_device.h"
+#include "vmm/virtqueue.h"
+
+namespace forkling::vmm {
+
+// struct virtio_vsock_hdr (little-endian, packed, 44 bytes).
+struct __attribute__((packed)) VsockHeader {
+  uint64_t src_cid;
+  uint64_t dst_cid;
+  uint32_t src_port;
+  uint32_t dst_port;
+  uint32_t len;
+  uint16_t type;
+  uint16_t op;
+  uint32_t flags;
+  uint32_t buf_alloc;
+  uint32_t fwd_cnt;
+};
+static_assert(sizeof(VsockHeader) == 44);
+
+inline constexpr uint64_t kVsockHostCid = 2;
+inline constexpr uint16_t kVsockTypeStream = 1;
+enum VsockOp : uint16_t {
+  kVsockOpInvalid = 0,
+  kVsockOpRequest = 1,
+  kVsockOpResponse = 2,
+  kVsockOpRst = 3,
+  kVsockOpShutdown = 4,
+  kVsockOpRw = 5,
+  kVsockOpCreditUpdate = 6,
+  kVsockOpCreditRequest = 7,
+};
+inline constexpr uint32_t kVsockShutdownRcv = 1;
+inline constexpr uint32_t kVsockShutdownSend = 2;
+inline constexpr uint32_t kVsockEventTransportReset = 0;
+
+class VirtioVsock : public VirtioDevice {
+ public:
+  static constexpr uint16_t kQueueSize = 256;
+  static constexpr uint16_t kRxQueue = 0, kTxQueue = 1, kEventQueue = 2;
+  // Bytes the device buffers per connection for data from the guest (the
+  // credit it advertises).
+  static constexpr uint32_t kBufAlloc = 256 * 1024;
+  static constexpr uint32_t kMaxPacketPayload = 64 * 1024;
+  static constexpr size_t kMaxConnections = 1024;
+  // How long a host connection may take to send its CONNECT line, and the
+  // guest to answer a request.
+  static constexpr int kConnectTimeoutMs = 5000;
+  // Host ports for host-initiated connections count up from here.
+  static constexpr uint32_t kFirstHostPort = 1u << 30;
+  // Bounds on what waits for guest rx buffers: host data per connection and
+  // in all, and control packets (a guest that posts no rx buffers cannot make
+  // the device grow without limit).
+  static constexpr size_t kMaxQueuedPerConn = 256 * 1024;
+  static constexpr size_t kMaxQueuedTotal = 8 * 1024 * 1024;
+  static constexpr size_t kMaxQueuedControl = 1024;
+  // Tx chains handled per loop pass before host I/O gets a turn.
+  static constexpr int kMaxTxPerPass = 4 * kQueueSize;
+
+  struct Stats {
+    uint64_t tx_packets;       // packets taken from the tx queue
+    uint64_t rx_packets;       // packets given to the guest
+    uint64_t bad_packets;      // malformed guest packets (dropped or reset)
+    uint64_t resets_sent;      // RST packets sent to the guest
+    uint64_t dropped_control;  // control packets dropped because the guest posted no rx buffers
+    uint64_t connections;      // open connections now
+  };
+
+  // The part of the device state that a snapshot keeps. Connections are not
+  // part of it: a restored device starts with none and tells the guest with a
+  // transport reset event.
+  struct State {
+    uint64_t guest_cid = 0;
+    bool active = false;
+    uint64_t driver_features = 0;
+    Virtqueue::State queues[3];
+    uint32_t next_host_port = 0;
+  };
+
+  // Listens on `uds_path` (a stale socket there is replaced). Throws
+  // std::system_error (code = errno) when the socket cannot be set up, and
+  // std::invalid_argument for a CID below 3 or a path too long for a Unix
+  // socket (with room for the "_<port>" suffix).
+  VirtioVsock(uint64_t guest_cid, std::string uds_path);
+  ~VirtioVsock() override;
+  VirtioVsock(const VirtioVsock&) = delete;
+  VirtioVsock& operator=(const VirtioVsock&) = delete;
+
+  uint32_t DeviceId() const override { return kVirtioIdVsock; }
+  uint64_t DeviceFeatures() const override { return kVirtioFVersion1 | kVirtioFIndirectDesc; }
+  uint16_t NumQueues() const override { return 3; }
+  uint16_t MaxQueueSize(uint16_t queue) const override { return queue < 3 ? kQueueSize : 0; }
+  void ReadConfig(uint32_t offset, uint8_t* data, uint32_t len) override;
+  void WriteConfig(uint32_t offset, const uint8_t* data, uint32_t len) override {}
+  void Activate(const GuestMemory& mem, const std::vector<QueueConfig>& queues, uint64_t driver_features,
+                NotifyGuest notify_guest) override;
+  void QueueNotify(uint16_t queue) override;
+  void Reset() override;
+
+  // Drops every connection and sends the guest VIRTIO_VSOCK_EVENT_TRANSPORT_RESET
+  // (as soon as it has an event buffer). Any thread.
+  void TransportReset();
+  // Waits until the event loop has completed one full pass that began after
+  // this call (all kicks and host I/O before the call handled). False on
+  // timeout. True at once when the device is not active.
+  bool Sync(int timeout_ms);
+  Stats stats() const;
+  const std::string& uds_path() const { return uds_path_; }
+  uint64_t guest_cid() const { return guest_cid_; }
+
+  // Snapshot support. Pause stops the event loop (so guest memory and the
+  // ring positions hold still; pause the vCPUs first) and keeps everything
+  // else; SaveState (paused) gives the ring positions; Resume restarts the
+  // loop. RestoreState activates the device from a saved state over (a copy
+  // of) the guest memory, with no connections, and sends the guest a
+  // transport reset so it forgets its connections too.
+  void Pause();
+  void Resume();
+  State SaveState() const;
+  void RestoreState(const GuestMemory& mem, const State& state, NotifyGuest notify_guest);
+
+ private:
+  struct Conn;
+  struct Packet {
+    VsockHeader hdr;
+    std::string data;     // payload (RW only)
+    size_t off = 0;       // bytes of `data` already delivered
+    uint64_t conn_id = 0; // RW: the connection (its credit fields are filled in at delivery)
+  };
+
+  void ClearRuntime();
+  void StartLoop();
+  void StopLoop();
+  void Loop();
+  void Kick();
+  void Pass();
+  void ProcessTx();
+  void HandlePacket(const VsockHeader& h, const DescriptorChain& chain);
+  void DeliverRx();
+  void DeliverEvents();
+  void AcceptAll();
+  void HandleConnEvent(uint64_t id, uint32_t events);
+  void ReadConnectLine(Conn* c);
+  void ReadFromHost(Conn* c);
+  void FlushToHost(Conn* c);
+  void GuestConnect(const VsockHeader& h);
+  void QueueControl(uint16_t op, uint32_t flags, const Conn* c);
+  void QueueRst(uint32_t host_port, uint32_t guest_port);
+  void ResetConn(Conn* c);  // RST to the guest, then close
+  void CloseConn(Conn* c);
+  void CloseAll();
+  void UpdateInterest(Conn* c);
+  void MaybeCreditUpdate(Conn* c);
+  void CheckDeadlines();
+  int NextTimeoutMs() const;
+  Conn* FindConn(uint32_t host_port, uint32_t guest_port);
+  Conn* FindId(uint64_t id);
+  uint32_t PeerCredit(const Conn* c) const;
+  void FailDevice(const std::string& message);
+
+  const uint64_t guest_cid_;
+  const std::string uds_path_;
+  uint64_t uds_dev_ = 0, uds_ino_ = 0;  // the socket file we created (unlinked only if still ours)
+  int listen_fd_ = -1;
+  int epoll_fd_ = -1;
+  int kick_fd_ = -1;
+
+  mutable std::mutex control_mu_;  // serialises Activate / Reset / Pause / Resume / RestoreState
+  bool active_ = false;            // activated and not reset (the loop may be paused)
+  bool paused_ = false;
+  std::thread thread_;
+  std::atomic<bool> running_{false};
+  std::atomic<bool> stop_{false};
+  std::atomic<bool> kick_pending_{false};
+  std::atomic<bool> transport_reset_pending_{false};
+
+  // Sync(): requests and completions counted under sync_mu_.
+  std::mutex sync_mu_;
+  std::condition_variable sync_cv_;
+  uint64_t sync_requested_ = 0;
+  uint64_t sync_done_ = 0;
+
+  // Owned by the loop thread while it runs (by the caller of
+  // Activate/Reset otherwise).
+  GuestMemory mem_;
+  uint64_t driver_features_ = 0;
+  Virtqueue queues_[3];
+  NotifyGuest notify_;
+  bool event_reset_owed_ = false;  // a transport reset event still to deliver
+  std::unordered_map<uint64_t, std::unique_ptr<Conn>> conns_;  // by id
+  std::unordered_map<uint64_t, Conn*> by_ports_;               // (host_port << 32 | guest_port)
+  uint64_t next_conn_id_ = 16;  // ids below 16 are the listener and the kick eventfd
+  uint32_t next_host_port_ = kFirstHostPort;
+  std::deque<Packet> rx_pending_;
+  size_t rx_pending_control_ = 0;
+  size_t rx_pending_bytes_ = 0;
+  DescriptorChain chain_;
+
+  struct Counters {
+    std::atomic<uint64_t> tx_packets{0}, rx_packets{0}, bad_packets{0}, resets_sent{0}, dropped_control{0},
+        connections{0};
+  } counters_;
+};
+
+}  // namespace forkling::vmm
