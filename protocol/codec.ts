@@ -1,0 +1,141 @@
+// Frame codec: msgpack (msgpackr) payloads, and the 4-byte big-endian length
+// prefix used on byte streams (Unix socket, vsock). WebSocket carries one
+// payload per binary message, without the prefix.
+//
+// Browser-safe: no node-only imports; the public API takes and returns
+// Uint8Array (Node's Buffer is one).
+import { Packr, Unpackr } from 'msgpackr';
+import { MAX_FRAME } from './schema.ts';
+
+const packr = new Packr({
+  useRecords: false,
+  mapsAsObjects: true,
+  variableMapSize: true, // fixmap for small maps: compact, and what the Python side writes
+  skipValues: [undefined], // `{a: undefined}` encodes like `{}` (as JSON would), never as an ext type
+  int64AsType: 'auto', // numbers where exact, bigint beyond 2^53
+});
+const unpackr = new Unpackr({ useRecords: false, mapsAsObjects: true, int64AsType: 'auto' });
+
+/** Encodes one frame (a plain object) as a msgpack payload, without length prefix. */
+export function encodeFrame(frame: object): Uint8Array {
+  return packr.pack(frame);
+}
+
+/** Decodes one msgpack payload. Throws on malformed msgpack or trailing bytes. */
+export function decodeFrame(payload: Uint8Array): unknown {
+  const values = unpackr.unpackMultiple(payload) as unknown[];
+  if (values.length !== 1) throw new Error(`expected one msgpack value, found ${values.length}`);
+  return values[0];
+}
+
+/** The 4-byte big-endian length prefix for a payload of `length` bytes. */
+export function lengthPrefix(length: number): Uint8Array {
+  const p = new Uint8Array(4);
+  new DataView(p.buffer).setUint32(0, length);
+  return p;
+}
+
+/** Length prefix + payload in one buffer (for tests and small frames). */
+export function encodePrefixed(frame: object): Uint8Array {
+  const payload = encodeFrame(frame);
+  const out = new Uint8Array(4 + payload.length);
+  out.set(lengthPrefix(payload.length), 0);
+  out.set(payload, 4);
+  return out;
+}
+
+export interface FrameReaderHandlers {
+  /** One complete payload (not yet decoded). */
+  payload(bytes: Uint8Array): void;
+  /** A prefix announced more than maxFrame bytes; that many bytes are being skipped. */
+  oversize(length: number): void;
+}
+
+/**
+ * Splits a byte stream into length-prefixed payloads. Oversized frames are
+ * skipped (their bytes discarded) so the stream stays in step; the caller
+ * decides what to report.
+ */
+export class FrameReader {
+  private chunks: Uint8Array[] = [];
+  private buffered = 0;
+  private need = -1; // payload length of the frame being read; -1: reading a prefix
+  private skip = 0; // bytes of an oversized frame still to discard
+
+  constructor(
+    private readonly handlers: FrameReaderHandlers,
+    private readonly maxFrame = MAX_FRAME,
+  ) {}
+
+  push(chunk: Uint8Array): void {
+    if (this.skip > 0) {
+      const n = Math.min(this.skip, chunk.length);
+      this.skip -= n;
+      chunk = chunk.subarray(n);
+    }
+    if (chunk.length === 0) return;
+    this.chunks.push(chunk);
+    this.buffered += chunk.length;
+    for (;;) {
+      if (this.need < 0) {
+        if (this.buffered < 4) return;
+        const head = this.take(4);
+        const length = new DataView(head.buffer, head.byteOffset, 4).getUint32(0);
+        if (length > this.maxFrame) {
+          const n = Math.min(length, this.buffered);
+          this.take(n);
+          this.skip = length - n;
+          this.handlers.oversize(length);
+          continue;
+        }
+        this.need = length;
+      }
+      if (this.buffered < this.need) return;
+      const payload = this.take(this.need);
+      this.need = -1;
+      this.handlers.payload(payload);
+    }
+  }
+
+  /** Bytes held for an incomplete frame. */
+  get pending(): number {
+    return this.buffered;
+  }
+
+  private take(n: number): Uint8Array {
+    const first = this.chunks[0];
+    if (first && first.length >= n) {
+      const out = first.subarray(0, n);
+      if (first.length === n) this.chunks.shift();
+      else this.chunks[0] = first.subarray(n);
+      this.buffered -= n;
+      return out;
+    }
+    const out = new Uint8Array(n);
+    let off = 0;
+    while (off < n) {
+      const c = this.chunks[0]!;
+      const k = Math.min(c.length, n - off);
+      out.set(c.subarray(0, k), off);
+      off += k;
+      if (k === c.length) this.chunks.shift();
+      else this.chunks[0] = c.subarray(k);
+    }
+    this.buffered -= n;
+    return out;
+  }
+}
+
+/** Hex of bytes (golden vectors, diagnostics). */
+export function toHex(bytes: Uint8Array): string {
+  let s = '';
+  for (const b of bytes) s += b.toString(16).padStart(2, '0');
+  return s;
+}
+
+export function fromHex(hex: string): Uint8Array {
+  if (hex.length % 2 !== 0 || /[^0-9a-f]/i.test(hex)) throw new Error('invalid hex');
+  const out = new Uint8Array(hex.length / 2);
+  for (let i = 0; i < out.length; i++) out[i] = Number.parseInt(hex.slice(2 * i, 2 * i + 2), 16);
+  return out;
+}
