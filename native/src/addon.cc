@@ -4,10 +4,13 @@
 namespace forkling {
 // Raw syscall layer (syscalls.cc): /dev/kvm, KVM ioctls, mmap family, memfd, eventfd.
 void InitSyscalls(Napi::Env env, Napi::Object exports);
+// Test-only: virtio device models over an ArrayBuffer as guest RAM (vmm_testing.cc).
+void InitVmmTesting(Napi::Env env, Napi::Object exports);
 }  // namespace forkling
 
 static Napi::Object Init(Napi::Env env, Napi::Object exports) {
   forkling::InitSyscalls(env, exports);
+  forkling::InitVmmTesting(env, exports);
   return exports;
 }
 

@@ -1,0 +1,330 @@
+// Test-only binding: the virtio device models driven without KVM. Guest RAM
+// is an anonymous mapping shown to JavaScript as an ArrayBuffer (`memory`);
+// a TypeScript "fake driver" lays out rings in it, activates the device with
+// queue addresses and kicks it, exactly as a guest would through the
+// transport. Everything JavaScript passes is checked, so a test can feed any
+// hostile layout without crashing the process.
+//
+//   new vmmTesting.VirtioTestDevice('rng' | 'vsock', {
+//     memorySize, regions?: [gpa, size][], guestCid?, socketPath?,
+//     onEvent?: (kind: 'interrupt' | 'failure', value: number | string) => void })
+#include <napi.h>
+#include <sys/mman.h>
+
+#include <memory>
+#include <stdexcept>
+#include <system_error>
+
+#include "errno_error.h"
+#include "vmm/virtio_rng.h"
+#include "vmm/virtio_vsock.h"
+
+namespace forkling {
+namespace {
+
+using vmm::GuestMemory;
+using vmm::QueueConfig;
+using vmm::VirtioDevice;
+using vmm::VirtioVsock;
+
+constexpr uint64_t kMaxTestRam = 1ull << 30;
+
+// Owned jointly by the device wrapper and the ArrayBuffer, so neither a GC'd
+// (or transferred) buffer nor a closed device leaves the other dangling.
+struct TestRam {
+  uint8_t* p = nullptr;
+  size_t n = 0;
+  ~TestRam() {
+    if (p) munmap(p, n);
+  }
+};
+
+struct DeviceEvent {
+  bool failure;
+  uint16_t queue;
+  std::string message;
+};
+
+uint64_t ToU64(Napi::Env env, const Napi::Value& v, const char* what) {
+  if (v.IsBigInt()) {
+    bool lossless = false;
+    uint64_t x = v.As<Napi::BigInt>().Uint64Value(&lossless);
+    if (!lossless) throw Napi::RangeError::New(env, std::string(what) + " does not fit in 64 bits");
+    return x;
+  }
+  if (v.IsNumber()) {
+    double d = v.As<Napi::Number>().DoubleValue();
+    if (!(d >= 0) || d > 9007199254740991.0 || d != static_cast<double>(static_cast<uint64_t>(d)))
+      throw Napi::RangeError::New(env, std::string(what) + " must be a non-negative integer");
+    return static_cast<uint64_t>(d);
+  }
+  throw Napi::TypeError::New(env, std::string(what) + " must be a number or a bigint");
+}
+
+uint64_t ToUint(Napi::Env env, const Napi::Value& v, const char* what, uint64_t max) {
+  if (!v.IsNumber()) throw Napi::TypeError::New(env, std::string(what) + " must be a number");
+  uint64_t x = ToU64(env, v, what);
+  if (x > max) throw Napi::RangeError::New(env, std::string(what) + " must be at most " + std::to_string(max));
+  return x;
+}
+
+class VirtioTestDevice : public Napi::ObjectWrap<VirtioTestDevice> {
+ public:
+  static Napi::Function Define(Napi::Env env) {
+    return DefineClass(env, "VirtioTestDevice",
+                       {
+                           InstanceMethod<&VirtioTestDevice::DeviceId>("deviceId"),
+                           InstanceMethod<&VirtioTestDevice::DeviceFeatures>("deviceFeatures"),
+                           InstanceMethod<&VirtioTestDevice::NumQueues>("numQueues"),
+                           InstanceMethod<&VirtioTestDevice::MaxQueueSize>("maxQueueSize"),
+                           InstanceMethod<&VirtioTestDevice::ReadConfig>("readConfig"),
+                           InstanceMethod<&VirtioTestDevice::WriteConfig>("writeConfig"),
+                           InstanceMethod<&VirtioTestDevice::Activate>("activate"),
+                           InstanceMethod<&VirtioTestDevice::Notify>("notify"),
+                           InstanceMethod<&VirtioTestDevice::Reset>("reset"),
+                           InstanceMethod<&VirtioTestDevice::TransportReset>("transportReset"),
+                           InstanceMethod<&VirtioTestDevice::Sync>("sync"),
+                           InstanceMethod<&VirtioTestDevice::Failure>("failure"),
+                           InstanceMethod<&VirtioTestDevice::Stats>("stats"),
+                           InstanceMethod<&VirtioTestDevice::Close>("close"),
+                       });
+  }
+
+  explicit VirtioTestDevice(const Napi::CallbackInfo& info) : Napi::ObjectWrap<VirtioTestDevice>(info) {
+    Napi::Env env = info.Env();
+    if (info.Length() < 2 || !info[0].IsString() || !info[1].IsObject())
+      throw Napi::TypeError::New(env, "usage: new VirtioTestDevice('rng' | 'vsock', options)");
+    const std::string kind = info[0].As<Napi::String>();
+    Napi::Object opts = info[1].As<Napi::Object>();
+
+    const uint64_t size = ToUint(env, opts.Get("memorySize"), "memorySize", kMaxTestRam);
+    if (size < 4096 || size % 4096 != 0)
+      throw Napi::RangeError::New(env, "memorySize must be a multiple of 4096 between 4096 and 1 GiB");
+    ram_ = std::make_shared<TestRam>();
+    void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) throw ErrnoError(env, "mmap", errno);
+    ram_->p = static_cast<uint8_t*>(p);
+    ram_->n = size;
+
+    Napi::Value regions = opts.Get("regions");
+    if (regions.IsUndefined()) {
+      mem_ = GuestMemory(ram_->p, size);
+    } else {
+      if (!regions.IsArray()) throw Napi::TypeError::New(env, "regions must be an array of [gpa, size] pairs");
+      Napi::Array arr = regions.As<Napi::Array>();
+      for (uint32_t i = 0; i < arr.Length(); i++) {
+        Napi::Value r = arr.Get(i);
+        if (!r.IsArray() || r.As<Napi::Array>().Length() != 2)
+          throw Napi::TypeError::New(env, "regions must be an array of [gpa, size] pairs");
+        uint64_t gpa = ToUint(env, r.As<Napi::Array>().Get(0u), "region gpa", size);
+        uint64_t len = ToUint(env, r.As<Napi::Array>().Get(1u), "region size", size);
+        // In this test RAM a region's host bytes are the buffer at offset gpa.
+        if (len > size - gpa || !mem_.AddRegion(gpa, ram_->p + gpa, len))
+          throw Napi::RangeError::New(env, "region " + std::to_string(i) + " is empty, overlaps or leaves the buffer");
+      }
+    }
+
+    Napi::Value on_event = opts.Get("onEvent");
+    if (!on_event.IsUndefined()) {
+      if (!on_event.IsFunction()) throw Napi::TypeError::New(env, "onEvent must be a function");
+      tsfn_ = Napi::ThreadSafeFunction::New(env, on_event.As<Napi::Function>(), "forkling virtio test device", 0, 1);
+      has_tsfn_ = true;
+    }
+
+    try {
+      if (kind == "rng") {
+        dev_ = std::make_unique<vmm::VirtioRng>();
+      } else if (kind == "vsock") {
+        Napi::Value path = opts.Get("socketPath");
+        if (!path.IsString()) throw Napi::TypeError::New(env, "socketPath must be a string");
+        uint64_t cid = ToU64(env, opts.Get("guestCid"), "guestCid");
+        auto v = std::make_unique<VirtioVsock>(cid, path.As<Napi::String>().Utf8Value());
+        vsock_ = v.get();
+        dev_ = std::move(v);
+      } else {
+        throw Napi::TypeError::New(env, "device kind must be 'rng' or 'vsock'");
+      }
+    } catch (const std::system_error& e) {
+      ReleaseCallback();
+      throw ErrnoError(env, e.what(), e.code().value());
+    } catch (const std::invalid_argument& e) {
+      ReleaseCallback();
+      throw Napi::RangeError::New(env, e.what());
+    } catch (...) {
+      ReleaseCallback();
+      throw;
+    }
+    if (has_tsfn_) {
+      Napi::ThreadSafeFunction tsfn = tsfn_;
+      dev_->set_failure_callback([tsfn](const std::string& msg) mutable {
+        tsfn.NonBlockingCall(new DeviceEvent{true, 0, msg}, CallJs);
+      });
+    }
+
+    auto* hint = new std::shared_ptr<TestRam>(ram_);
+    Napi::ArrayBuffer ab = Napi::ArrayBuffer::New(
+        env, ram_->p, size, [](Napi::Env, void*, std::shared_ptr<TestRam>* h) { delete h; }, hint);
+    info.This().As<Napi::Object>().DefineProperty(Napi::PropertyDescriptor::Value("memory", ab, napi_enumerable));
+  }
+
+  ~VirtioTestDevice() override { Shutdown(); }
+
+ private:
+  static void CallJs(Napi::Env env, Napi::Function cb, DeviceEvent* ev) {
+    std::unique_ptr<DeviceEvent> owned(ev);
+    if (env == nullptr || cb.IsEmpty()) return;
+    if (ev->failure)
+      cb.Call({Napi::String::New(env, "failure"), Napi::String::New(env, ev->message)});
+    else
+      cb.Call({Napi::String::New(env, "interrupt"), Napi::Number::New(env, ev->queue)});
+  }
+
+  VirtioDevice* Dev(Napi::Env env) {
+    if (!dev_) throw Napi::Error::New(env, "the test device is closed");
+    return dev_.get();
+  }
+  VirtioVsock* Vsock(Napi::Env env) {
+    Dev(env);
+    if (!vsock_) throw Napi::TypeError::New(env, "not a vsock device");
+    return vsock_;
+  }
+
+  void ReleaseCallback() {
+    if (has_tsfn_) {
+      tsfn_.Release();
+      has_tsfn_ = false;
+    }
+  }
+
+  // Stops the device (joining its thread) before the callback goes away.
+  void Shutdown() {
+    if (dev_) {
+      dev_->Reset();
+      dev_.reset();
+      vsock_ = nullptr;
+    }
+    ReleaseCallback();
+  }
+
+  Napi::Value DeviceId(const Napi::CallbackInfo& info) {
+    return Napi::Number::New(info.Env(), Dev(info.Env())->DeviceId());
+  }
+  Napi::Value DeviceFeatures(const Napi::CallbackInfo& info) {
+    return Napi::BigInt::New(info.Env(), Dev(info.Env())->DeviceFeatures());
+  }
+  Napi::Value NumQueues(const Napi::CallbackInfo& info) {
+    return Napi::Number::New(info.Env(), Dev(info.Env())->NumQueues());
+  }
+  Napi::Value MaxQueueSize(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    uint16_t q = static_cast<uint16_t>(ToUint(env, info[0], "queue", 0xFFFF));
+    return Napi::Number::New(env, Dev(env)->MaxQueueSize(q));
+  }
+  Napi::Value ReadConfig(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    uint32_t off = static_cast<uint32_t>(ToUint(env, info[0], "offset", UINT32_MAX));
+    uint32_t len = static_cast<uint32_t>(ToUint(env, info[1], "length", 4096));
+    Napi::Uint8Array out = Napi::Uint8Array::New(env, len);
+    Dev(env)->ReadConfig(off, out.Data(), len);
+    return out;
+  }
+  Napi::Value WriteConfig(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    uint32_t off = static_cast<uint32_t>(ToUint(env, info[0], "offset", UINT32_MAX));
+    if (!info[1].IsTypedArray() || info[1].As<Napi::TypedArray>().TypedArrayType() != napi_uint8_array)
+      throw Napi::TypeError::New(env, "data must be a Uint8Array");
+    Napi::Uint8Array data = info[1].As<Napi::Uint8Array>();
+    std::vector<uint8_t> copy(data.Data(), data.Data() + data.ByteLength());
+    Dev(env)->WriteConfig(off, copy.data(), static_cast<uint32_t>(copy.size()));
+    return env.Undefined();
+  }
+  Napi::Value Activate(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    VirtioDevice* dev = Dev(env);
+    if (!info[0].IsArray()) throw Napi::TypeError::New(env, "queues must be an array");
+    Napi::Array arr = info[0].As<Napi::Array>();
+    if (arr.Length() > 16) throw Napi::RangeError::New(env, "at most 16 queues");
+    std::vector<QueueConfig> queues;
+    for (uint32_t i = 0; i < arr.Length(); i++) {
+      Napi::Value v = arr.Get(i);
+      if (!v.IsObject()) throw Napi::TypeError::New(env, "each queue must be an object");
+      Napi::Object o = v.As<Napi::Object>();
+      QueueConfig q;
+      q.size = static_cast<uint16_t>(ToUint(env, o.Get("size"), "queue size", 0xFFFF));
+      q.ready = o.Get("ready").ToBoolean();
+      q.desc = ToU64(env, o.Get("desc"), "queue desc");
+      q.driver = ToU64(env, o.Get("driver"), "queue driver");
+      q.device = ToU64(env, o.Get("device"), "queue device");
+      queues.push_back(q);
+    }
+    uint64_t features = ToU64(env, info[1], "driverFeatures");
+    VirtioDevice::NotifyGuest notify;
+    if (has_tsfn_) {
+      Napi::ThreadSafeFunction tsfn = tsfn_;
+      notify = [tsfn](uint16_t q) mutable { tsfn.NonBlockingCall(new DeviceEvent{false, q, {}}, CallJs); };
+    }
+    dev->Activate(mem_, queues, features, std::move(notify));
+    return env.Undefined();
+  }
+  Napi::Value Notify(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    uint16_t q = static_cast<uint16_t>(ToUint(env, info[0], "queue", 0xFFFF));
+    Dev(env)->QueueNotify(q);
+    return env.Undefined();
+  }
+  Napi::Value Reset(const Napi::CallbackInfo& info) {
+    Dev(info.Env())->Reset();
+    return info.Env().Undefined();
+  }
+  Napi::Value TransportReset(const Napi::CallbackInfo& info) {
+    Vsock(info.Env())->TransportReset();
+    return info.Env().Undefined();
+  }
+  // Waits (blocking, bounded) until the device has handled everything before
+  // the call. The rng works synchronously, so it is always in sync.
+  Napi::Value Sync(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    VirtioDevice* dev = Dev(env);
+    uint64_t ms = info[0].IsUndefined() ? 5000 : ToUint(env, info[0], "timeoutMs", 60000);
+    bool ok = vsock_ ? vsock_->Sync(static_cast<int>(ms)) : (static_cast<void>(dev), true);
+    return Napi::Boolean::New(env, ok);
+  }
+  Napi::Value Failure(const Napi::CallbackInfo& info) {
+    VirtioDevice* dev = Dev(info.Env());
+    if (!dev->failed()) return info.Env().Null();
+    return Napi::String::New(info.Env(), dev->failure());
+  }
+  Napi::Value Stats(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    VirtioVsock::Stats s = Vsock(env)->stats();
+    Napi::Object o = Napi::Object::New(env);
+    o.Set("txPackets", Napi::Number::New(env, static_cast<double>(s.tx_packets)));
+    o.Set("rxPackets", Napi::Number::New(env, static_cast<double>(s.rx_packets)));
+    o.Set("badPackets", Napi::Number::New(env, static_cast<double>(s.bad_packets)));
+    o.Set("resetsSent", Napi::Number::New(env, static_cast<double>(s.resets_sent)));
+    o.Set("droppedControl", Napi::Number::New(env, static_cast<double>(s.dropped_control)));
+    o.Set("connections", Napi::Number::New(env, static_cast<double>(s.connections)));
+    return o;
+  }
+  Napi::Value Close(const Napi::CallbackInfo& info) {
+    Shutdown();
+    return info.Env().Undefined();
+  }
+
+  std::shared_ptr<TestRam> ram_;
+  GuestMemory mem_;
+  std::unique_ptr<VirtioDevice> dev_;
+  VirtioVsock* vsock_ = nullptr;
+  Napi::ThreadSafeFunction tsfn_;
+  bool has_tsfn_ = false;
+};
+
+}  // namespace
+
+void InitVmmTesting(Napi::Env env, Napi::Object exports) {
+  Napi::Object t = Napi::Object::New(env);
+  t.Set("VirtioTestDevice", VirtioTestDevice::Define(env));
+  exports.Set("vmmTesting", t);
+}
+
+}  // namespace forkling
