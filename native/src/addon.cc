@@ -6,11 +6,14 @@ namespace forkling {
 void InitSyscalls(Napi::Env env, Napi::Object exports);
 // Test-only: virtio device models over an ArrayBuffer as guest RAM (vmm_testing.cc).
 void InitVmmTesting(Napi::Env env, Napi::Object exports);
+// Process engine launcher (sandbox/launch.cc): namespaces, root, seccomp, exec.
+void InitSandbox(Napi::Env env, Napi::Object exports);
 }  // namespace forkling
 
 static Napi::Object Init(Napi::Env env, Napi::Object exports) {
   forkling::InitSyscalls(env, exports);
   forkling::InitVmmTesting(env, exports);
+  forkling::InitSandbox(env, exports);
   return exports;
 }
 

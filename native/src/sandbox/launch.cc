@@ -1,0 +1,519 @@
+// The process engine's launcher: starts a process as PID 1 of new user, pid,
+// mount, network, ipc, uts and cgroup namespaces, with an image's root
+// filesystem as its root, and execs the agent there.
+//
+// Why C++ and not a helper program or Python: the image's python can only run
+// once its root is in place, and Node cannot fork. clone() without CLONE_VM
+// from the JS thread gives a child that is a copy of this process with one
+// thread; until execve it uses raw system calls only (no malloc, no locks),
+// on strings prepared by the parent. The parent writes the uid/gid maps
+// (only it may map ranges) and moves the child into its cgroups before the
+// child goes on; errors before exec come back over a CLOEXEC pipe.
+//
+// Layout inside the child's mount namespace (stage = a host directory that
+// only this namespace mounts over):
+//   stage            tmpfs: the template's writable layer and the mount points
+//   stage/image      the image's rootfs, bind mount, read-only
+//   stage/upper,work overlay upper and work dirs (in the tmpfs)
+//   stage/root       overlay(image, upper): becomes /
+// and in the new root: /proc (new, for the new pid ns), /dev (tmpfs with
+// null zero full random urandom tty bound from the host, a new devpts,
+// /dev/shm), /tmp, /run (tmpfs), /run/forkling (the host's runDir, for the
+// agent's Unix socket), /run/forkling-layers/{image,upper} (what the zygote
+// builds its children's read-only base from), /sys (empty, read-only).
+// The old root is detached after pivot_root: no host path stays reachable.
+#include <fcntl.h>
+#include <linux/audit.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <net/if.h>
+#include <sched.h>
+#include <signal.h>
+#include <stddef.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/statvfs.h>
+#include <grp.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "errno_error.h"
+
+#ifndef MS_NOSYMFOLLOW
+#define MS_NOSYMFOLLOW 256
+#endif
+
+namespace forkling {
+namespace {
+
+// Steps of the child, for error messages (index written back over the pipe).
+const char* const kSteps[] = {
+    "wait for the parent",           // 0
+    "setresgid/setresuid to root",   // 1
+    "unshare(CLONE_NEWCGROUP)",      // 2
+    "make / private",                // 3
+    "mount the layer tmpfs",         // 4
+    "mkdir in the layer",            // 5
+    "bind the image read-only",      // 6
+    "mount the overlay root",        // 7
+    "mount /run",                    // 8
+    "bind /run/forkling",            // 9
+    "bind the layers for the zygote",  // 10
+    "mount /proc",                   // 11
+    "mount /dev",                    // 12
+    "bind a device node",            // 13
+    "mount /dev/pts",                // 14
+    "mount /dev/shm",                // 15
+    "mount /tmp",                    // 16
+    "mount /sys",                    // 17
+    "sethostname",                   // 18
+    "bring up lo",                   // 19
+    "pivot_root",                    // 20
+    "detach the old root",           // 21
+    "seccomp",                       // 22
+    "stdio",                         // 23
+    "execve",                        // 24
+    "statfs of the image",           // 25
+};
+
+struct Prepared {
+  // paths outside (host view)
+  std::string stage, image, upper, work, root, rootfs, runDir;
+  // paths inside the new root, still prefixed with `root`
+  std::string run, runForkling, layers, layersImage, layersUpper, proc, dev, pts, shm, tmp, sys;
+  std::vector<std::string> devNames, devHost, devTarget;
+  std::vector<std::pair<std::string, std::string>> devLinks;  // target, linkpath
+  std::string layerOpts, overlayOpts, hostname;
+  std::vector<std::string> argv, env;
+  std::vector<char*> argvp, envp;
+  std::vector<sock_filter> filter;
+  bool userns = false;
+  bool setgroups = false;
+  int stdoutFd = -1;
+};
+
+[[noreturn]] void Fail(int errW, int step, int err) {
+  int msg[2] = {step, err};
+  ssize_t ignored = write(errW, msg, sizeof msg);
+  (void)ignored;
+  _exit(127);
+}
+
+bool MkdirP(const char* path) { return mkdir(path, 0755) == 0 || errno == EEXIST; }
+
+// Everything from clone() to execve(): raw system calls on prepared data only.
+[[noreturn]] void ChildMain(const Prepared& p, int syncR, int errW) {
+  // Die with the thread that created us (the JS thread: lives as long as Node).
+  prctl(PR_SET_PDEATHSIG, SIGKILL);
+  char c;
+  if (read(syncR, &c, 1) != 1) _exit(126);  // parent gone, or it gave up on us
+  close(syncR);
+  sigset_t none;
+  sigemptyset(&none);
+  sigprocmask(SIG_SETMASK, &none, nullptr);
+
+  if (p.userns) {
+    if (p.setgroups && setgroups(0, nullptr) != 0) Fail(errW, 1, errno);
+    if (setresgid(0, 0, 0) != 0 || setresuid(0, 0, 0) != 0) Fail(errW, 1, errno);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);  // a credential change may clear it
+  }
+  // Now that the parent has placed us in our cgroups, make them our cgroup root.
+  if (unshare(CLONE_NEWCGROUP) != 0) Fail(errW, 2, errno);
+  if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) Fail(errW, 3, errno);
+  if (mount("forkling-layer", p.stage.c_str(), "tmpfs", MS_NOSUID | MS_NODEV, p.layerOpts.c_str()) != 0) Fail(errW, 4, errno);
+  for (const std::string* d : {&p.image, &p.upper, &p.work, &p.root}) {
+    if (!MkdirP(d->c_str())) Fail(errW, 5, errno);
+  }
+  // Read-only view of the image. A bind mount keeps the locked flags of the
+  // mount it came from (atime, nosuid, ...); a remount must repeat them.
+  if (mount(p.rootfs.c_str(), p.image.c_str(), nullptr, MS_BIND | MS_REC, nullptr) != 0) Fail(errW, 6, errno);
+  struct statfs sf;
+  if (statfs(p.image.c_str(), &sf) != 0) Fail(errW, 25, errno);
+  unsigned long keep = 0;
+  if (sf.f_flags & ST_NOATIME) keep |= MS_NOATIME;
+  if (sf.f_flags & ST_NODIRATIME) keep |= MS_NODIRATIME;
+  if (sf.f_flags & ST_RELATIME) keep |= MS_RELATIME;
+  if (sf.f_flags & ST_NOEXEC) keep |= MS_NOEXEC;
+  if (mount(nullptr, p.image.c_str(), nullptr, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | keep, nullptr) != 0) {
+    Fail(errW, 6, errno);
+  }
+  if (mount("overlay", p.root.c_str(), "overlay", MS_NOSUID | MS_NODEV, p.overlayOpts.c_str()) != 0) Fail(errW, 7, errno);
+
+  const unsigned long quiet = MS_NOSUID | MS_NODEV;
+  if (!MkdirP(p.run.c_str()) || mount("tmpfs", p.run.c_str(), "tmpfs", quiet | MS_NOEXEC, "mode=0755,size=16m") != 0) Fail(errW, 8, errno);
+  if (!MkdirP(p.runForkling.c_str()) || mount(p.runDir.c_str(), p.runForkling.c_str(), nullptr, MS_BIND, nullptr) != 0) Fail(errW, 9, errno);
+  if (!MkdirP(p.layers.c_str()) || !MkdirP(p.layersImage.c_str()) || !MkdirP(p.layersUpper.c_str())) Fail(errW, 10, errno);
+  if (mount(p.image.c_str(), p.layersImage.c_str(), nullptr, MS_BIND, nullptr) != 0) Fail(errW, 10, errno);
+  if (mount(p.upper.c_str(), p.layersUpper.c_str(), nullptr, MS_BIND, nullptr) != 0) Fail(errW, 10, errno);
+
+  if (!MkdirP(p.proc.c_str()) || mount("proc", p.proc.c_str(), "proc", quiet | MS_NOEXEC, nullptr) != 0) Fail(errW, 11, errno);
+  if (!MkdirP(p.dev.c_str()) || mount("tmpfs", p.dev.c_str(), "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k") != 0) Fail(errW, 12, errno);
+  for (size_t i = 0; i < p.devTarget.size(); i++) {
+    int fd = open(p.devTarget[i].c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0666);
+    if (fd < 0) Fail(errW, 13, errno);
+    close(fd);
+    if (mount(p.devHost[i].c_str(), p.devTarget[i].c_str(), nullptr, MS_BIND, nullptr) != 0) Fail(errW, 13, errno);
+  }
+  if (!MkdirP(p.pts.c_str()) ||
+      mount("devpts", p.pts.c_str(), "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620") != 0) {
+    Fail(errW, 14, errno);
+  }
+  for (const auto& l : p.devLinks) {
+    if (symlink(l.first.c_str(), l.second.c_str()) != 0) Fail(errW, 12, errno);
+  }
+  if (!MkdirP(p.shm.c_str()) || mount("tmpfs", p.shm.c_str(), "tmpfs", quiet, "mode=1777") != 0) Fail(errW, 15, errno);
+  if (!MkdirP(p.tmp.c_str()) || mount("tmpfs", p.tmp.c_str(), "tmpfs", quiet, "mode=1777") != 0) Fail(errW, 16, errno);
+  // An empty read-only /sys: no sysfs (host hardware) in the sandbox.
+  if (!MkdirP(p.sys.c_str()) || mount("tmpfs", p.sys.c_str(), "tmpfs", quiet | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0555") != 0) {
+    Fail(errW, 17, errno);
+  }
+  if (sethostname(p.hostname.data(), p.hostname.size()) != 0) Fail(errW, 18, errno);
+  {
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    memcpy(ifr.ifr_name, "lo", 3);
+    if (s < 0 || ioctl(s, SIOCGIFFLAGS, &ifr) != 0) Fail(errW, 19, errno);
+    ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+    if (ioctl(s, SIOCSIFFLAGS, &ifr) != 0) Fail(errW, 19, errno);
+    close(s);
+  }
+  if (chdir(p.root.c_str()) != 0 || syscall(SYS_pivot_root, ".", ".") != 0) Fail(errW, 20, errno);
+  if (umount2(".", MNT_DETACH) != 0 || chdir("/") != 0) Fail(errW, 21, errno);
+
+  // stdio: 0 from /dev/null, 1 and 2 to the console pipe (or /dev/null).
+  int devnull = open("/dev/null", O_RDWR | O_CLOEXEC);
+  if (devnull < 0) Fail(errW, 23, errno);
+  int out = p.stdoutFd >= 0 ? p.stdoutFd : devnull;
+  if (dup2(devnull, 0) < 0 || dup2(out, 1) < 0 || dup2(out, 2) < 0) Fail(errW, 23, errno);
+  // Nothing else of this (Node) process may reach the sandbox.
+  if (errW > 3) syscall(SYS_close_range, 3, errW - 1, 0);
+  syscall(SYS_close_range, errW + 1, ~0U, 0);
+
+  if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) Fail(errW, 22, errno);
+  if (!p.filter.empty()) {
+    struct sock_fprog prog;
+    prog.len = static_cast<unsigned short>(p.filter.size());
+    prog.filter = const_cast<sock_filter*>(p.filter.data());
+    if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &prog) != 0) Fail(errW, 22, errno);
+  }
+  execve(p.argvp[0], p.argvp.data(), p.envp.data());
+  Fail(errW, 24, errno);
+}
+
+// ------------------------------------------------------------------ seccomp
+
+sock_filter Stmt(uint16_t code, uint32_t k) { return sock_filter{code, 0, 0, k}; }
+sock_filter Jump(uint16_t code, uint32_t k, uint8_t jt, uint8_t jf) { return sock_filter{code, jt, jf, k}; }
+
+// What a sandbox never needs. Mounting is allowed because the sandbox builds
+// its children's roots (BRANCH); the user namespace limits it to the types a
+// user namespace may mount (tmpfs, proc, overlay, devpts, ...), never a block
+// device's file system. The new mount API is refused (the classic one is all
+// set-up uses). x86-64 numbers.
+const uint32_t kDenied[] = {
+    246, 320,                 // kexec_load, kexec_file_load
+    175, 313, 176, 174, 177, 178,  // init/finit/delete_module, create_module, get_kernel_syms, query_module
+    321, 298,                 // bpf, perf_event_open
+    250, 248, 249,            // keyctl, add_key, request_key
+    101, 310, 311,            // ptrace, process_vm_readv, process_vm_writev
+    167, 168, 169, 163,       // swapon, swapoff, reboot, acct
+    164, 227, 305, 159,       // settimeofday, clock_settime, clock_adjtime, adjtimex
+    172, 173, 103,            // iopl, ioperm, syslog
+    212, 303, 304,            // lookup_dcookie, name_to_handle_at, open_by_handle_at
+    323, 179, 443, 180,       // userfaultfd, quotactl, quotactl_fd, nfsservctl
+    134, 153, 156,            // uselib, vhangup, _sysctl
+    428, 429, 430, 431, 432, 433, 442,  // open_tree, move_mount, fsopen, fsconfig, fsmount, fspick, mount_setattr
+    425, 426, 427,            // io_uring_setup/enter/register
+    300,                      // fanotify_init
+};
+
+std::vector<sock_filter> BuildFilter() {
+  const uint32_t kEperm = SECCOMP_RET_ERRNO | EPERM;
+  const uint32_t kNr = offsetof(struct seccomp_data, nr);
+  const uint32_t kArch = offsetof(struct seccomp_data, arch);
+  const uint32_t kArg0 = offsetof(struct seccomp_data, args[0]);
+  const uint32_t kArg1 = offsetof(struct seccomp_data, args[1]);
+  std::vector<sock_filter> f;
+  f.push_back(Stmt(BPF_LD | BPF_W | BPF_ABS, kArch));
+  f.push_back(Jump(BPF_JMP | BPF_JEQ | BPF_K, AUDIT_ARCH_X86_64, 1, 0));
+  f.push_back(Stmt(BPF_RET | BPF_K, SECCOMP_RET_KILL_PROCESS));  // i386 / other ABIs: never
+  f.push_back(Stmt(BPF_LD | BPF_W | BPF_ABS, kNr));
+  f.push_back(Jump(BPF_JMP | BPF_JGE | BPF_K, 0x40000000, 0, 1));  // x32
+  f.push_back(Stmt(BPF_RET | BPF_K, kEperm));
+  for (uint32_t nr : kDenied) {
+    f.push_back(Jump(BPF_JMP | BPF_JEQ | BPF_K, nr, 0, 1));
+    f.push_back(Stmt(BPF_RET | BPF_K, kEperm));
+  }
+  // clone3 passes its flags in memory seccomp cannot read: ENOSYS makes libc fall back to clone.
+  f.push_back(Jump(BPF_JMP | BPF_JEQ | BPF_K, 435, 0, 1));
+  f.push_back(Stmt(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS));
+  // clone (56) and unshare (272): no new user namespace (flags in the low half of arg 0).
+  for (uint32_t nr : {56u, 272u}) {
+    f.push_back(Stmt(BPF_LD | BPF_W | BPF_ABS, kNr));
+    f.push_back(Jump(BPF_JMP | BPF_JEQ | BPF_K, nr, 0, 3));
+    f.push_back(Stmt(BPF_LD | BPF_W | BPF_ABS, kArg0));
+    f.push_back(Jump(BPF_JMP | BPF_JSET | BPF_K, CLONE_NEWUSER, 0, 1));
+    f.push_back(Stmt(BPF_RET | BPF_K, kEperm));
+  }
+  // setns (308): only into a pid namespace (the fork of N children resets
+  // its pid namespace for children this way); nothing else.
+  f.push_back(Stmt(BPF_LD | BPF_W | BPF_ABS, kNr));
+  f.push_back(Jump(BPF_JMP | BPF_JEQ | BPF_K, 308, 0, 3));
+  f.push_back(Stmt(BPF_LD | BPF_W | BPF_ABS, kArg1));
+  f.push_back(Jump(BPF_JMP | BPF_JEQ | BPF_K, CLONE_NEWPID, 1, 0));
+  f.push_back(Stmt(BPF_RET | BPF_K, kEperm));
+  f.push_back(Stmt(BPF_RET | BPF_K, SECCOMP_RET_ALLOW));
+  return f;
+}
+
+// ------------------------------------------------------------------ JS side
+
+std::string GetStr(Napi::Object o, const char* field) {
+  Napi::Value v = o.Get(field);
+  if (!v.IsString()) throw Napi::TypeError::New(o.Env(), std::string(field) + " must be a string");
+  std::string s = v.As<Napi::String>().Utf8Value();
+  if (s.find('\0') != std::string::npos) throw Napi::TypeError::New(o.Env(), std::string(field) + " contains a NUL");
+  return s;
+}
+
+std::vector<std::string> GetStrs(Napi::Object o, const char* field) {
+  Napi::Value v = o.Get(field);
+  if (!v.IsArray()) throw Napi::TypeError::New(o.Env(), std::string(field) + " must be an array of strings");
+  Napi::Array a = v.As<Napi::Array>();
+  std::vector<std::string> out;
+  for (uint32_t i = 0; i < a.Length(); i++) {
+    Napi::Value e = a.Get(i);
+    if (!e.IsString()) throw Napi::TypeError::New(o.Env(), std::string(field) + " must be an array of strings");
+    std::string s = e.As<Napi::String>().Utf8Value();
+    if (s.find('\0') != std::string::npos) throw Napi::TypeError::New(o.Env(), std::string(field) + " contains a NUL");
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+bool WriteFile(const std::string& path, const std::string& data) {
+  int fd = open(path.c_str(), O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  ssize_t n = write(fd, data.data(), data.size());
+  int e = errno;
+  close(fd);
+  errno = e;
+  return n == static_cast<ssize_t>(data.size());
+}
+
+void KillAndReap(pid_t pid) {
+  kill(pid, SIGKILL);
+  int st;
+  while (waitpid(pid, &st, __WALL) < 0 && errno == EINTR) {
+  }
+}
+
+// sandboxLaunch({rootfs, stage, runDir, hostname, argv, env, userns, uidMap, gidMap,
+//                setgroupsDeny, cgroupProcs, layerSizeMiB, stdoutFd, seccomp}) -> pid
+Napi::Value Launch(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  if (!info[0].IsObject()) throw Napi::TypeError::New(env, "options must be an object");
+  Napi::Object o = info[0].As<Napi::Object>();
+  Prepared p;
+  p.rootfs = GetStr(o, "rootfs");
+  p.stage = GetStr(o, "stage");
+  p.runDir = GetStr(o, "runDir");
+  p.hostname = GetStr(o, "hostname");
+  p.argv = GetStrs(o, "argv");
+  p.env = GetStrs(o, "env");
+  if (p.argv.empty() || p.argv[0].empty() || p.argv[0][0] != '/') throw Napi::TypeError::New(env, "argv[0] must be an absolute path");
+  if (p.hostname.empty() || p.hostname.size() > 64) throw Napi::RangeError::New(env, "hostname must have 1-64 characters");
+  for (const std::string* s : {&p.rootfs, &p.stage, &p.runDir}) {
+    if (s->empty() || (*s)[0] != '/' || s->find_first_of(",:\\") != std::string::npos) {
+      throw Napi::TypeError::New(env, "rootfs, stage and runDir must be absolute paths without , : or \\");
+    }
+  }
+  p.userns = o.Get("userns").ToBoolean();
+  std::string uidMap = p.userns ? GetStr(o, "uidMap") : "";
+  std::string gidMap = p.userns ? GetStr(o, "gidMap") : "";
+  bool setgroupsDeny = o.Get("setgroupsDeny").ToBoolean();
+  p.setgroups = p.userns && !setgroupsDeny;
+  std::vector<std::string> cgroupProcs = GetStrs(o, "cgroupProcs");
+  uint32_t layerMiB = o.Get("layerSizeMiB").IsNumber() ? o.Get("layerSizeMiB").As<Napi::Number>().Uint32Value() : 1024;
+  p.stdoutFd = o.Get("stdoutFd").IsNumber() ? o.Get("stdoutFd").As<Napi::Number>().Int32Value() : -1;
+  if (o.Get("seccomp").ToBoolean()) p.filter = BuildFilter();
+
+  p.image = p.stage + "/image";
+  p.upper = p.stage + "/upper";
+  p.work = p.stage + "/work";
+  p.root = p.stage + "/root";
+  p.run = p.root + "/run";
+  p.runForkling = p.run + "/forkling";
+  p.layers = p.run + "/forkling-layers";
+  p.layersImage = p.layers + "/image";
+  p.layersUpper = p.layers + "/upper";
+  p.proc = p.root + "/proc";
+  p.dev = p.root + "/dev";
+  p.pts = p.dev + "/pts";
+  p.shm = p.dev + "/shm";
+  p.tmp = p.root + "/tmp";
+  p.sys = p.root + "/sys";
+  for (const char* d : {"null", "zero", "full", "random", "urandom", "tty"}) {
+    p.devHost.push_back(std::string("/dev/") + d);
+    p.devTarget.push_back(p.dev + "/" + d);
+  }
+  p.devLinks = {{"pts/ptmx", p.dev + "/ptmx"},
+                {"/proc/self/fd", p.dev + "/fd"},
+                {"/proc/self/fd/0", p.dev + "/stdin"},
+                {"/proc/self/fd/1", p.dev + "/stdout"},
+                {"/proc/self/fd/2", p.dev + "/stderr"}};
+  p.layerOpts = "mode=0755,size=" + std::to_string(layerMiB) + "m";
+  p.overlayOpts = "lowerdir=" + p.image + ",upperdir=" + p.upper + ",workdir=" + p.work + (p.userns ? ",userxattr" : "");
+  for (auto& s : p.argv) p.argvp.push_back(s.data());
+  p.argvp.push_back(nullptr);
+  for (auto& s : p.env) p.envp.push_back(s.data());
+  p.envp.push_back(nullptr);
+
+  int syncp[2], errp[2];
+  if (pipe2(syncp, O_CLOEXEC) != 0) throw ErrnoError(env, "pipe2", errno);
+  if (pipe2(errp, O_CLOEXEC) != 0) {
+    int e = errno;
+    close(syncp[0]);
+    close(syncp[1]);
+    throw ErrnoError(env, "pipe2", e);
+  }
+  unsigned long flags = CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | SIGCHLD;
+  if (p.userns) flags |= CLONE_NEWUSER;
+  long pid = syscall(SYS_clone, flags, nullptr, nullptr, nullptr, 0);
+  if (pid == 0) {
+    close(syncp[1]);
+    close(errp[0]);
+    ChildMain(p, syncp[0], errp[1]);
+  }
+  int cloneErr = errno;
+  close(syncp[0]);
+  close(errp[1]);
+  if (pid < 0) {
+    close(syncp[1]);
+    close(errp[0]);
+    throw ErrnoError(env, "clone", cloneErr);
+  }
+  auto fail = [&](const std::string& what, int e) {
+    close(syncp[1]);
+    close(errp[0]);
+    KillAndReap(static_cast<pid_t>(pid));
+    Napi::Error err = ErrnoError(env, what, e);
+    throw err;
+  };
+  std::string procDir = "/proc/" + std::to_string(pid);
+  if (p.userns) {
+    if (setgroupsDeny && !WriteFile(procDir + "/setgroups", "deny")) fail("write setgroups", errno);
+    if (!WriteFile(procDir + "/uid_map", uidMap)) fail("write uid_map", errno);
+    if (!WriteFile(procDir + "/gid_map", gidMap)) fail("write gid_map", errno);
+  }
+  for (const auto& f : cgroupProcs) {
+    if (!WriteFile(f, std::to_string(pid))) fail("write " + f, errno);
+  }
+  if (write(syncp[1], "g", 1) != 1) fail("write to the child", errno);
+  close(syncp[1]);
+  int msg[2];
+  ssize_t n;
+  do {
+    n = read(errp[0], msg, sizeof msg);
+  } while (n < 0 && errno == EINTR);
+  close(errp[0]);
+  if (n == static_cast<ssize_t>(sizeof msg)) {
+    KillAndReap(static_cast<pid_t>(pid));
+    int step = msg[0] >= 0 && msg[0] < static_cast<int>(sizeof kSteps / sizeof kSteps[0]) ? msg[0] : 0;
+    Napi::Error err = ErrnoError(env, std::string("sandbox set-up: ") + kSteps[step], msg[1]);
+    err.Set("step", Napi::String::New(env, kSteps[step]));
+    throw err;
+  }
+  return Napi::Number::New(env, static_cast<double>(pid));
+}
+
+Napi::Object StatusObject(Napi::Env env, int st) {
+  Napi::Object r = Napi::Object::New(env);
+  if (WIFEXITED(st)) {
+    r.Set("code", Napi::Number::New(env, WEXITSTATUS(st)));
+    r.Set("signal", env.Null());
+  } else {
+    r.Set("code", env.Null());
+    r.Set("signal", Napi::Number::New(env, WIFSIGNALED(st) ? WTERMSIG(st) : 0));
+  }
+  return r;
+}
+
+// sandboxReap(pid) -> null while it runs, else {code, signal}. Never blocks.
+Napi::Value Reap(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  if (!info[0].IsNumber()) throw Napi::TypeError::New(env, "pid must be a number");
+  pid_t pid = info[0].As<Napi::Number>().Int32Value();
+  int st = 0;
+  pid_t r = waitpid(pid, &st, WNOHANG | __WALL);
+  if (r < 0) throw ErrnoError(env, "waitpid", errno);
+  if (r == 0) return env.Null();
+  return StatusObject(env, st);
+}
+
+// sandboxWait(pid) -> Promise<{code, signal}>: waits in the thread pool. Call
+// it only for a process that is ending (killed, or its agent went away).
+class WaitWorker : public Napi::AsyncWorker {
+ public:
+  WaitWorker(Napi::Env env, pid_t pid) : Napi::AsyncWorker(env), pid_(pid), deferred_(Napi::Promise::Deferred::New(env)) {}
+  Napi::Promise Promise() { return deferred_.Promise(); }
+  void Execute() override {
+    pid_t r;
+    do {
+      r = waitpid(pid_, &st_, __WALL);
+    } while (r < 0 && errno == EINTR);
+    err_ = r < 0 ? errno : 0;
+  }
+  void OnOK() override {
+    if (err_) deferred_.Reject(ErrnoError(Env(), "waitpid", err_).Value());
+    else deferred_.Resolve(StatusObject(Env(), st_));
+  }
+
+ private:
+  pid_t pid_;
+  int st_ = 0;
+  int err_ = 0;
+  Napi::Promise::Deferred deferred_;
+};
+
+Napi::Value Wait(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  if (!info[0].IsNumber()) throw Napi::TypeError::New(env, "pid must be a number");
+  auto* w = new WaitWorker(env, info[0].As<Napi::Number>().Int32Value());
+  Napi::Promise p = w->Promise();
+  w->Queue();
+  return p;
+}
+
+// pipe2(O_CLOEXEC) -> [readFd, writeFd]: the console pipe of a zygote.
+Napi::Value Pipe(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) throw ErrnoError(env, "pipe2", errno);
+  Napi::Array a = Napi::Array::New(env, 2);
+  a.Set(0u, Napi::Number::New(env, fds[0]));
+  a.Set(1u, Napi::Number::New(env, fds[1]));
+  return a;
+}
+
+}  // namespace
+
+void InitSandbox(Napi::Env env, Napi::Object exports) {
+  exports.Set("sandboxLaunch", Napi::Function::New(env, Launch, "sandboxLaunch"));
+  exports.Set("sandboxReap", Napi::Function::New(env, Reap, "sandboxReap"));
+  exports.Set("sandboxWait", Napi::Function::New(env, Wait, "sandboxWait"));
+  exports.Set("sandboxPipe", Napi::Function::New(env, Pipe, "sandboxPipe"));
+}
+
+}  // namespace forkling
