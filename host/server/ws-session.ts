@@ -1,0 +1,253 @@
+// One client WebSocket on /v1/ws. Each binary message is one msgpack frame of
+// protocol/. The session answers `hello` and the server operations itself and
+// routes agent operations (those with `sandbox: <id>`) to that sandbox's agent,
+// mapping the client's request ids to the agent's; stream events come back on
+// this socket, interleaved by the client's request ids. Nothing a client sends
+// ends the session except a WebSocket-level violation (the socket is then gone
+// anyway): a bad frame gets an error frame and the session reads the next one.
+import type { WebSocket } from 'ws';
+import { decodeFrame, encodeFrame } from '../../protocol/codec.ts';
+import { MAX_FRAME } from '../../protocol/schema.ts';
+import { ROUTED_OPS, SERVER_OPS } from '../../protocol/server-ops.ts';
+import type { AgentCall } from './bridge.ts';
+import type { Code } from './errors.ts';
+import type { ServerContext } from './context.ts';
+import {
+  argsOf,
+  checkCancelFrame,
+  checkEventFrame,
+  checkRequestFrame,
+  checkSandboxId,
+  clientEventArgs,
+  clientStreamOps,
+  routedArgs,
+  serverArgs,
+} from './validate.ts';
+
+const ROUTED = new Set<string>(ROUTED_OPS);
+
+interface Open {
+  op: string;
+  t0: number;
+  /** Set for routed requests once the agent request is open. */
+  call: AgentCall | null;
+}
+
+export class WsSession {
+  private hello = false;
+  private readonly open = new Map<number, Open>();
+  private closed = false;
+
+  constructor(
+    private readonly ws: WebSocket,
+    private readonly ctx: ServerContext,
+  ) {
+    ws.on('message', (data, isBinary) => this.onMessage(data as Buffer | Buffer[] | ArrayBuffer, isBinary));
+    ws.on('close', () => this.onClose());
+    ws.on('error', () => {}); // 'close' follows; a broken socket is not the server's problem
+  }
+
+  /** Requests of this client still open. */
+  get inFlight(): number {
+    return this.open.size;
+  }
+
+  /** Ends the session (server shutdown). */
+  close(code: number, reason: string): void {
+    this.ws.close(code, reason);
+  }
+
+  private onMessage(data: Buffer | Buffer[] | ArrayBuffer, isBinary: boolean): void {
+    if (!isBinary) {
+      this.error(null, 'bad_frame', 'send frames as binary WebSocket messages holding msgpack');
+      return;
+    }
+    const bytes = Array.isArray(data) ? Buffer.concat(data) : data instanceof ArrayBuffer ? new Uint8Array(data) : data;
+    if (bytes.length > MAX_FRAME) {
+      this.error(null, 'frame_too_large', `frame of ${bytes.length} bytes, the limit is ${MAX_FRAME}`);
+      return;
+    }
+    let frame: unknown;
+    try {
+      frame = decodeFrame(bytes);
+    } catch (e) {
+      this.error(null, 'bad_frame', `not one msgpack value: ${(e as Error).message}`);
+      return;
+    }
+    if (typeof frame !== 'object' || frame === null || Array.isArray(frame) || frame instanceof Uint8Array) {
+      this.error(null, 'bad_frame', 'a frame is a msgpack map with a field t');
+      return;
+    }
+    const f = frame as Record<string, unknown>;
+    const id = typeof f.id === 'number' && Number.isInteger(f.id) && f.id >= 0 && f.id <= 0xffffffff ? f.id : null;
+    try {
+      switch (f.t) {
+        case 'req':
+          this.onRequest(f, id);
+          return;
+        case 'ev':
+          this.onClientEvent(f, id);
+          return;
+        case 'cancel':
+          this.onCancel(f, id);
+          return;
+        default:
+          this.error(id, 'bad_frame', `unknown frame kind t=${JSON.stringify(f.t)}; clients send req, ev, cancel`);
+          return;
+      }
+    } catch (e) {
+      // A ServiceError (e.g. unknown sandbox) or a bug: the client hears about it, the session goes on.
+      const se = this.ctx.toServiceError(e);
+      this.error(id, se.code, se.message);
+    }
+  }
+
+  private onRequest(f: Record<string, unknown>, id: number | null): void {
+    const bad = checkRequestFrame(f);
+    if (bad || id === null) {
+      this.error(id, 'bad_request', bad ?? 'id: not a valid request id');
+      return;
+    }
+    const op = f.op as string;
+    if (this.open.has(id)) {
+      this.error(id, 'duplicate_id', `request id ${id} is still open`);
+      return;
+    }
+    if (!this.hello && op !== 'hello') {
+      this.error(id, 'hello_required', 'send hello first');
+      return;
+    }
+    if (this.open.size >= this.ctx.maxInFlight) {
+      this.error(
+        id,
+        'too_many_requests',
+        `this connection already has ${this.open.size} open requests (limit ${this.ctx.maxInFlight}); wait for some to finish`,
+      );
+      return;
+    }
+    if (this.ctx.manager.isDraining) {
+      this.error(id, 'shutting_down', 'the server is shutting down');
+      return;
+    }
+    const routed = ROUTED.has(op) && (f.sandbox !== undefined || !(op in SERVER_OPS));
+    if (routed) {
+      this.routed(id, op, f);
+      return;
+    }
+    const check = serverArgs.get(op);
+    if (!check) {
+      this.error(id, 'unknown_op', `unknown operation ${JSON.stringify(op)}`);
+      return;
+    }
+    const args = argsOf(f);
+    if (f.sandbox !== undefined) args.sandbox = f.sandbox;
+    const invalid = check(args);
+    if (invalid) {
+      this.error(id, 'bad_request', invalid);
+      return;
+    }
+    const entry: Open = { op, t0: performance.now(), call: null };
+    this.open.set(id, entry);
+    this.ctx.serverOp(op, args).then(
+      (res) => {
+        if (op === 'hello') this.hello = true;
+        this.finish(id, entry, { t: 'res', id, ...res });
+      },
+      (e) => this.finishError(id, entry, e),
+    );
+  }
+
+  private routed(id: number, op: string, f: Record<string, unknown>): void {
+    const badId = f.sandbox === undefined ? `${op}: sandbox: required to route the request` : checkSandboxId(f.sandbox);
+    if (badId) {
+      this.error(id, 'bad_request', badId);
+      return;
+    }
+    const args = argsOf(f);
+    const invalid = routedArgs.get(op)?.(args);
+    if (invalid) {
+      this.error(id, 'bad_request', invalid);
+      return;
+    }
+    const sb = this.ctx.manager.sandbox(f.sandbox as string);
+    const entry: Open = { op, t0: performance.now(), call: null };
+    this.open.set(id, entry);
+    const call = this.ctx.callAgent(sb, op, args, (ev) => {
+      if (this.open.get(id) === entry) this.send({ t: 'ev', id, ...ev });
+    });
+    entry.call = call;
+    call.done.then(
+      (res) => this.finish(id, entry, { t: 'res', id, ...res }),
+      (e) => this.finishError(id, entry, e),
+    );
+  }
+
+  private onClientEvent(f: Record<string, unknown>, id: number | null): void {
+    const bad = checkEventFrame(f);
+    if (bad || id === null) {
+      this.error(id, 'bad_request', bad ?? 'id: not a valid request id');
+      return;
+    }
+    const entry = this.open.get(id);
+    if (!entry?.call || !clientStreamOps.has(entry.op)) {
+      this.error(id, 'unknown_request', `request ${id} is not open or takes no client events`);
+      return;
+    }
+    const ev = f.ev as string;
+    const check = clientEventArgs.get(ev);
+    if (!check) {
+      this.error(id, 'bad_request', `unknown client event ${JSON.stringify(ev)} (data, end)`);
+      return;
+    }
+    const fields = argsOf(f);
+    delete fields.ev;
+    const invalid = check(fields);
+    if (invalid) {
+      this.error(id, 'bad_request', invalid);
+      return;
+    }
+    entry.call.send(ev, fields);
+  }
+
+  private onCancel(f: Record<string, unknown>, id: number | null): void {
+    const bad = checkCancelFrame(f);
+    if (bad || id === null) {
+      this.error(id, 'bad_request', bad ?? 'id: not a valid request id');
+      return;
+    }
+    // A cancel for a request that already finished is not an error: the two crossed.
+    this.open.get(id)?.call?.cancel();
+  }
+
+  private finish(id: number, entry: Open, frame: Record<string, unknown>): void {
+    if (this.open.get(id) !== entry) return;
+    this.open.delete(id);
+    this.ctx.metrics.requestLatency.observe({ op: entry.op, transport: 'ws' }, (performance.now() - entry.t0) / 1000);
+    this.send(frame);
+  }
+
+  private finishError(id: number, entry: Open, e: unknown): void {
+    if (this.open.get(id) !== entry) return;
+    this.open.delete(id);
+    const se = this.ctx.toServiceError(e);
+    this.error(id, se.code, se.message);
+  }
+
+  private error(id: number | null, code: Code, message: string): void {
+    this.ctx.metrics.errors.inc({ code, transport: 'ws' });
+    this.send({ t: 'err', id, code, message });
+  }
+
+  private send(frame: Record<string, unknown>): void {
+    if (this.closed) return;
+    this.ws.send(encodeFrame(frame), { binary: true });
+  }
+
+  private onClose(): void {
+    this.closed = true;
+    // The client is gone: its agent requests are cancelled so the agents free
+    // what they hold; its sandboxes live on until their timeouts.
+    for (const entry of this.open.values()) entry.call?.cancel();
+    this.open.clear();
+  }
+}
