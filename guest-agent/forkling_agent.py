@@ -284,15 +284,11 @@ class Connection:
                 payload = self._recv_exact(n)
                 if payload is None:
                     break
-                try:
-                    frame = msgpack.unpackb(payload, raw=False)
-                except MemoryError:
-                    self.error(None, 'resource_exhausted', 'out of memory decoding a frame')
-                    continue
-                except Exception as e:
-                    self.error(None, 'bad_frame', 'payload is not valid msgpack: %s' % e)
-                    continue
+                frame, bad = decode_payload(payload)
                 del payload
+                if bad:
+                    self.error(*bad)
+                    continue
                 try:
                     self.dispatch(frame)
                 except MemoryError:
@@ -305,15 +301,10 @@ class Connection:
             self.close()
 
     def dispatch(self, frame):
-        if not isinstance(frame, dict):
-            return self.error(None, 'bad_frame', 'frame is not a msgpack map')
-        t = frame.get('t')
-        if t not in ('req', 'ev', 'cancel'):
-            return self.error(_frame_id(frame), 'bad_frame', 'field /t: expected one of req, ev, cancel')
-        err = check(SCHEMA['frames'][t], frame)
-        if err:
-            return self.error(_frame_id(frame), 'bad_request', err)
-        req_id = frame['id']
+        bad = validate_client_frame(frame)
+        if bad:
+            return self.error(*bad)
+        t, req_id = frame['t'], frame['id']
         if t == 'cancel':
             with self.open_lock:
                 handle = self.open.get(req_id)
@@ -325,28 +316,14 @@ class Connection:
                 handle = self.open.get(req_id)
             if handle is None or not hasattr(handle, 'on_input'):
                 return self.error(req_id, 'unknown_request', 'no open request %d takes input' % req_id)
-            ev = frame['ev']
-            schema = SCHEMA['clientEvents'].get(ev)
-            if schema is None:
-                return self.error(req_id, 'bad_request', 'field /ev: expected one of %s'
-                                  % ', '.join(SCHEMA['clientEvents']))
-            err = check(schema, frame)
-            if err:
-                return self.error(req_id, 'bad_request', err)
-            return handle.on_input(ev, frame)
+            return handle.on_input(frame['ev'], frame)
         op = frame['op']
-        spec = SCHEMA['ops'].get(op)
-        handler = OPS.get(op)
-        if spec is None or handler is None:
-            return self.error(req_id, 'unknown_op', 'unknown op %r' % op)
+        handler = OPS[op]
         if not self.hello and op != 'hello':
             return self.error(req_id, 'hello_required', 'send a hello request first')
         with self.open_lock:
             if req_id in self.open:
                 return self.error(req_id, 'duplicate_id', 'request id %d is already open' % req_id)
-        err = check(spec['args'], frame)
-        if err:
-            return self.error(req_id, 'bad_request', err)
         try:
             result = handler(self.agent, self, frame)
         except OpError as e:
@@ -393,6 +370,42 @@ def _frame_id(frame):
         i = frame.get('id')
         if isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= 0xFFFFFFFF:
             return i
+    return None
+
+
+def decode_payload(payload):
+    """(frame, None) or (None, (id, code, message)) for one msgpack payload."""
+    try:
+        return msgpack.unpackb(payload, raw=False), None
+    except MemoryError:
+        return None, (None, 'resource_exhausted', 'out of memory decoding a frame')
+    except Exception as e:
+        return None, (None, 'bad_frame', 'payload is not valid msgpack: %s' % e)
+
+
+def validate_client_frame(frame):
+    """None when `frame` is a valid client frame, else (id, code, message) for the err frame."""
+    if not isinstance(frame, dict):
+        return (None, 'bad_frame', 'frame is not a msgpack map')
+    t = frame.get('t')
+    if t not in ('req', 'ev', 'cancel'):
+        return (_frame_id(frame), 'bad_frame', 'field /t: expected one of req, ev, cancel')
+    err = check(SCHEMA['frames'][t], frame)
+    if err:
+        return (_frame_id(frame), 'bad_request', err)
+    req_id = frame['id']
+    if t == 'ev':
+        schema = SCHEMA['clientEvents'].get(frame['ev'])
+        if schema is None:
+            return (req_id, 'bad_request', 'field /ev: expected one of %s' % ', '.join(SCHEMA['clientEvents']))
+        err = check(schema, frame)
+        return (req_id, 'bad_request', err) if err else None
+    if t == 'req':
+        spec = SCHEMA['ops'].get(frame['op'])
+        if spec is None or frame['op'] not in OPS:
+            return (req_id, 'unknown_op', 'unknown op %r' % frame['op'])
+        err = check(spec['args'], frame)
+        return (req_id, 'bad_request', err) if err else None
     return None
 
 

@@ -7,18 +7,48 @@
 import { Packr, Unpackr } from 'msgpackr';
 import { MAX_FRAME } from './schema.ts';
 
+// msgpackr 2.x supports 'auto' at run time; its typings predate it.
+const AUTO = 'auto' as unknown as 'number';
 const packr = new Packr({
+  // skipValues is supported at run time too, missing from the typings as well
+  ...({ skipValues: [undefined] } as object),
   useRecords: false,
   mapsAsObjects: true,
   variableMapSize: true, // fixmap for small maps: compact, and what the Python side writes
-  skipValues: [undefined], // `{a: undefined}` encodes like `{}` (as JSON would), never as an ext type
-  int64AsType: 'auto', // numbers where exact, bigint beyond 2^53
+  int64AsType: AUTO, // numbers where exact, bigint beyond 2^53
 });
-const unpackr = new Unpackr({ useRecords: false, mapsAsObjects: true, int64AsType: 'auto' });
+const unpackr = new Unpackr({ useRecords: false, mapsAsObjects: true, int64AsType: AUTO });
 
 /** Encodes one frame (a plain object) as a msgpack payload, without length prefix. */
 export function encodeFrame(frame: object): Uint8Array {
-  return packr.pack(frame);
+  return packr.pack(wideInts(frame));
+}
+
+/**
+ * msgpackr writes integers outside 32 bits as float64, which the Python side
+ * would read as floats; as BigInt they are written as int64/uint64. Copies
+ * only the containers that hold such an integer.
+ */
+function wideInts(x: unknown): unknown {
+  if (typeof x === 'number') {
+    return Number.isInteger(x) && (x > 0xffffffff || x < -0x80000000) ? BigInt(x) : x;
+  }
+  if (typeof x !== 'object' || x === null || x instanceof Uint8Array) return x;
+  if (Array.isArray(x)) {
+    let out: unknown[] | null = null;
+    for (let i = 0; i < x.length; i++) {
+      const v = wideInts(x[i]);
+      if (v !== x[i]) (out ??= [...x])[i] = v;
+    }
+    return out ?? x;
+  }
+  let out: Record<string, unknown> | null = null;
+  for (const k in x) {
+    const v0 = (x as Record<string, unknown>)[k];
+    const v = wideInts(v0);
+    if (v !== v0) (out ??= { ...(x as Record<string, unknown>) })[k] = v;
+  }
+  return out ?? x;
 }
 
 /** Decodes one msgpack payload. Throws on malformed msgpack or trailing bytes. */

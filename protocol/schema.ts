@@ -269,7 +269,7 @@ export type OpResult<O extends OpName> = Static<(typeof OPS)[O]['result']>;
 type EventsOf<O extends OpName> = (typeof OPS)[O]['events'];
 /** An event of operation O as the client receives it: `{ev: name, ...fields}`. */
 export type OpEvent<O extends OpName> = {
-  [K in keyof EventsOf<O> & string]: { ev: K } & Static<EventsOf<O>[K]>;
+  [K in keyof EventsOf<O> & string]: { ev: K } & (EventsOf<O>[K] extends TSchema ? Static<EventsOf<O>[K]> : never);
 }[keyof EventsOf<O> & string];
 
 export const ERROR_CODES = [

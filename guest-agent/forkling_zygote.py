@@ -1,0 +1,416 @@
+"""forkling_zygote: fork() of the warm agent, for the process engine.
+
+Where /dev/kvm is missing, a template is an agent that the host started as
+PID 1 of new user, pid, mount, network, ipc, uts and cgroup namespaces (see
+native/src/sandbox/launch.cc), with a seccomp filter, and warmed up with user
+code. This module adds two ops to the agent:
+
+  fork   (in the zygote) n children of the warm interpreter;
+  branch (in a sandbox)  n children that continue from its live state.
+
+Each child is os.fork() of the agent, made PID 1 of a new pid namespace
+(unshare(CLONE_NEWPID) just before the fork, setns back just after), then
+takes new mount, network, ipc and uts namespaces, a root of its own:
+overlay(read-only base, private tmpfs upper), fresh /proc /dev /run, a new
+hostname, its own Unix socket in /run/forkling (a host directory per
+sandbox), and only then says it is ready. The host then runs `restore`.
+
+The read-only base is an overlay with lower layers only (the zygote's upper
+over the image): it can never become writable, so no sandbox can change what
+its siblings see. A branch child copies its source's upper into its own.
+
+Only stdlib (ctypes) and the agent module; loaded by the agent if present.
+"""
+
+import ctypes
+import errno
+import gc
+import os
+import queue
+import re
+import selectors
+import stat
+import threading
+import time
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
+CLONE_NEWNET = 0x40000000
+CLONE_NEWPID = 0x20000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+MNT_DETACH = 2
+SYS_PIVOT_ROOT = 155
+PR_SET_PDEATHSIG = 1
+
+LAYERS = '/run/forkling-layers'
+SCRATCH = LAYERS + '/scratch'
+RUN = '/run/forkling'
+ID_RE = re.compile(r'^[A-Za-z0-9_-]{1,32}$')
+HOST_RE = re.compile(r'^[A-Za-z0-9][A-Za-z0-9.-]{0,62}$')
+READY_TIMEOUT_S = 30.0
+
+# What this process is: 'zygote' (started by the host), 'sandbox' (a child), or None (not the process engine).
+ROLE = os.environ.get('FORKLING_PROCESS_ROLE')
+STATE = {
+    'base_fd': None,   # O_PATH fd of the read-only base overlay (lower of every child)
+    'upper_fd': None,  # O_PATH fd of this sandbox's upper dir (copied by branch)
+    'pidns_fd': None,  # this process's own pid namespace (to undo unshare(CLONE_NEWPID))
+}
+_lock = threading.Lock()  # one fork/branch at a time per process
+_libc = ctypes.CDLL(None, use_errno=True)
+_agent_mod = None
+
+
+def _check(rc, what):
+    if rc != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, '%s: %s' % (what, os.strerror(e)))
+
+
+def mount(src, target, fstype, flags=0, data=None):
+    _check(_libc.mount(src.encode() if src else None, target.encode(), fstype.encode() if fstype else None,
+                       ctypes.c_ulong(flags), data.encode() if data else None), 'mount %s on %s' % (fstype or src, target))
+
+
+def unshare(flags):
+    _check(_libc.unshare(ctypes.c_int(flags)), 'unshare(%#x)' % flags)
+
+
+def setns(fd, nstype):
+    _check(_libc.setns(ctypes.c_int(fd), ctypes.c_int(nstype)), 'setns')
+
+
+# ------------------------------------------------------------------ registration
+
+FORK_ARGS = {
+    'type': 'object', 'required': ['children'],
+    'properties': {
+        'children': {'type': 'array', 'minItems': 1, 'maxItems': 1024, 'items': {
+            'type': 'object', 'required': ['id', 'hostname'],
+            'properties': {'id': {'type': 'string', 'minLength': 1, 'maxLength': 32},
+                           'hostname': {'type': 'string', 'minLength': 1, 'maxLength': 63}}}},
+    },
+}
+
+
+def register(agent_mod):
+    """Adds the fork and branch ops (and their argument schemas) to the agent."""
+    global _agent_mod
+    _agent_mod = agent_mod
+    agent_mod.SCHEMA['ops']['fork'] = {'args': FORK_ARGS, 'clientStream': False}
+    agent_mod.SCHEMA['ops']['branch'] = {'args': FORK_ARGS, 'clientStream': False}
+    agent_mod.OPS['fork'] = op_fork
+    agent_mod.OPS['branch'] = op_branch
+    if ROLE == 'zygote':
+        # The launcher set it before exec; say it again (the host's death kills
+        # the zygote, and the kernel then kills its pid namespace: every sandbox).
+        _libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
+
+
+def _refuse(what):
+    raise _agent_mod.OpError('bad_request', '%s works only in the process engine (%s)'
+                             % (what, 'this is a sandbox: use branch' if ROLE == 'sandbox' else
+                                'this is the zygote: use fork' if ROLE == 'zygote' else 'no zygote here'))
+
+
+def op_fork(agent, conn, f):
+    if ROLE != 'zygote':
+        _refuse('fork')
+    with _lock:
+        _freeze_base()
+        return {'children': _spawn(agent, f['children'], branch=False)}
+
+
+def op_branch(agent, conn, f):
+    if ROLE != 'sandbox':
+        _refuse('branch')
+    with _lock:
+        return {'children': _spawn(agent, f['children'], branch=True)}
+
+
+# ------------------------------------------------------------------ the zygote's base
+
+
+def _freeze_base():
+    """Once, before the first fork: the template's files become the read-only
+    base (overlay of its upper over the image, no upper of its own), and the
+    interpreter's objects move to the permanent GC generation so that the
+    collector in a child does not touch (and copy) every inherited page."""
+    if STATE['base_fd'] is not None:
+        return
+    base = LAYERS + '/base'
+    os.makedirs(base, exist_ok=True)
+    os.makedirs(SCRATCH, exist_ok=True)
+    mount('overlay', base, 'overlay', MS_RDONLY | MS_NOSUID | MS_NODEV,
+          'lowerdir=%s/upper:%s/image,userxattr' % (LAYERS, LAYERS))
+    STATE['base_fd'] = os.open(base, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    STATE['pidns_fd'] = os.open('/proc/self/ns/pid', os.O_RDONLY | os.O_CLOEXEC)
+    gc.collect()
+    gc.freeze()
+
+
+# ------------------------------------------------------------------ fork
+
+
+def _spawn(agent, children, branch):
+    seen = set()
+    for ch in children:
+        if not ID_RE.match(ch['id']) or ch['id'] in seen:
+            raise _agent_mod.OpError('bad_request', 'child id %r: use 1-32 of A-Z a-z 0-9 _ - , unique' % ch['id'])
+        if not HOST_RE.match(ch['hostname']):
+            raise _agent_mod.OpError('bad_request', 'hostname %r is not a valid host name' % ch['hostname'])
+        seen.add(ch['id'])
+    if STATE['pidns_fd'] is None:
+        STATE['pidns_fd'] = os.open('/proc/self/ns/pid', os.O_RDONLY | os.O_CLOEXEC)
+    pending = []
+    results = {}
+    for ch in children:
+        sockdir = os.path.join(RUN, 'b' if branch else 's', ch['id'])
+        try:
+            os.makedirs(sockdir)
+        except OSError as e:
+            results[ch['id']] = {'id': ch['id'], 'ok': False, 'error': 'socket dir %s: %s' % (sockdir, e.strerror)}
+            continue
+        r, w = os.pipe()
+        t0 = time.perf_counter()
+        # The next child is PID 1 of a new pid namespace; undone right after the fork.
+        unshare(CLONE_NEWPID)
+        try:
+            pid = os.fork()
+        except BaseException:
+            setns(STATE['pidns_fd'], CLONE_NEWPID)
+            raise
+        if pid != 0:
+            setns(STATE['pidns_fd'], CLONE_NEWPID)
+        else:
+            _child_main(agent, ch, sockdir, r, w, branch)  # never returns
+        os.close(w)
+        pending.append((ch, pid, r, t0))
+    # Wait until every child listens (or fails): a byte string on its pipe.
+    sel = selectors.DefaultSelector()
+    bufs = {}
+    for ch, pid, r, t0 in pending:
+        sel.register(r, selectors.EVENT_READ, (ch, pid, t0))
+        bufs[r] = b''
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while bufs:
+        left = deadline - time.monotonic()
+        events = sel.select(max(0.0, left)) if left > 0 else []
+        if not events:
+            for r in list(bufs):
+                ch, pid, t0 = sel.get_key(r).data
+                _kill(pid)
+                results[ch['id']] = {'id': ch['id'], 'ok': False, 'error': 'not ready within %ds' % READY_TIMEOUT_S}
+                sel.unregister(r)
+                os.close(r)
+                del bufs[r]
+            break
+        for key, _ in events:
+            r = key.fd
+            ch, pid, t0 = key.data
+            data = os.read(r, 4096)
+            if data:
+                bufs[r] += data
+                continue
+            msg = bufs.pop(r)
+            sel.unregister(r)
+            os.close(r)
+            if msg == b'ok':
+                results[ch['id']] = {'id': ch['id'], 'ok': True, 'pid': pid,
+                                     'setupMs': (time.perf_counter() - t0) * 1000.0}
+            else:
+                _kill(pid)
+                results[ch['id']] = {'id': ch['id'], 'ok': False,
+                                     'error': msg.decode('utf-8', 'replace') or 'child exited during set-up'}
+    sel.close()
+    return [results[ch['id']] for ch in children]
+
+
+def _kill(pid):
+    try:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+
+
+def _child_main(agent, ch, sockdir, r, w, branch):
+    """In the new child (PID 1 of its pid namespace): set up, listen, serve."""
+    try:
+        os.close(r)
+        _setup_child(ch, sockdir, branch)
+        _rebuild_agent(agent, ch)
+        agent.listen_unix(RUN + '/agent.sock')
+        os.write(w, b'ok')
+        os.close(w)
+    except BaseException as e:  # noqa: BLE001 - report anything, then die
+        try:
+            os.write(w, ('%s: %s' % (type(e).__name__, e)).encode()[:4000])
+        finally:
+            os._exit(1)
+    try:
+        agent.eval_loop()
+    finally:
+        os._exit(0)
+
+
+def _setup_child(ch, sockdir, branch):
+    unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
+    mount(None, '/', None, MS_REC | MS_PRIVATE)
+    # A source sandbox has no SCRATCH until its first branch creates it in its own /run.
+    os.makedirs(SCRATCH, exist_ok=True)
+    mount('tmpfs', SCRATCH, 'tmpfs', MS_NOSUID | MS_NODEV, 'mode=0755')
+    upper, work, root = SCRATCH + '/upper', SCRATCH + '/work', SCRATCH + '/root'
+    for d in (upper, work, root):
+        os.mkdir(d, 0o755)
+    if branch:
+        copy_tree('/proc/self/fd/%d' % STATE['upper_fd'], upper)
+    mount('overlay', root, 'overlay', MS_NOSUID | MS_NODEV,
+          'lowerdir=/proc/self/fd/%d,upperdir=%s,workdir=%s,userxattr' % (STATE['base_fd'], upper, work))
+    mount('tmpfs', root + '/run', 'tmpfs', MS_NOSUID | MS_NODEV | MS_NOEXEC, 'mode=0755,size=16m')
+    os.makedirs(root + RUN)
+    os.makedirs(root + SCRATCH)
+    mount(sockdir, root + RUN, None, MS_BIND)
+    mount('proc', root + '/proc', 'proc', MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    dev = root + '/dev'
+    mount('tmpfs', dev, 'tmpfs', MS_NOSUID | MS_NOEXEC, 'mode=0755,size=64k')
+    for name in ('null', 'zero', 'full', 'random', 'urandom', 'tty'):
+        os.close(os.open(dev + '/' + name, os.O_CREAT | os.O_WRONLY, 0o666))
+        mount('/dev/' + name, dev + '/' + name, None, MS_BIND)
+    os.mkdir(dev + '/pts')
+    mount('devpts', dev + '/pts', 'devpts', MS_NOSUID | MS_NOEXEC, 'newinstance,ptmxmode=0666,mode=0620')
+    os.mkdir(dev + '/shm')
+    mount('tmpfs', dev + '/shm', 'tmpfs', MS_NOSUID | MS_NODEV, 'mode=1777')
+    for target, link in (('pts/ptmx', 'ptmx'), ('/proc/self/fd', 'fd'), ('/proc/self/fd/0', 'stdin'),
+                         ('/proc/self/fd/1', 'stdout'), ('/proc/self/fd/2', 'stderr')):
+        os.symlink(target, dev + '/' + link)
+    mount('tmpfs', root + '/sys', 'tmpfs', MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, 'size=4k,mode=0555')
+    import socket
+    socket.sethostname(ch['hostname'])
+    _agent_mod.loopback_up()
+    new_upper = os.open(upper, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    os.chdir(root)
+    _check(_libc.syscall(ctypes.c_long(SYS_PIVOT_ROOT), b'.', b'.'), 'pivot_root')
+    _check(_libc.umount2(b'.', ctypes.c_int(MNT_DETACH)), 'umount old root')
+    os.chdir('/')
+    if STATE['upper_fd'] is not None:
+        os.close(STATE['upper_fd'])
+    STATE['upper_fd'] = new_upper
+    os.close(STATE['pidns_fd'])
+    STATE['pidns_fd'] = os.open('/proc/self/ns/pid', os.O_RDONLY | os.O_CLOEXEC)
+    os.environ['FORKLING_PROCESS_ROLE'] = 'sandbox'
+    os.environ['FORKLING_SANDBOX_ID'] = ch['id']
+    global ROLE
+    ROLE = 'sandbox'
+
+
+def _rebuild_agent(agent, ch):
+    """The child has only this thread and copies of the parent's sockets: drop
+    those without shutting them down (that would cut the parent's
+    connections), start the agent's threads again, forget the parent's
+    processes and evals."""
+    rebuild = getattr(agent, 'after_fork_child', None)
+    if rebuild is not None:
+        rebuild()
+    else:
+        for conn in list(agent.connections):
+            conn.closed = True
+            try:
+                conn.sock.close()
+            except OSError:
+                pass
+        agent.connections = set()
+        for s in agent.listeners:
+            try:
+                s.close()
+            except OSError:
+                pass
+        agent.listeners = []
+        agent.procs = {}
+        agent.procs_lock = threading.Lock()
+        agent.eval_queue = queue.SimpleQueue()
+        agent.eval_lock = threading.Lock()
+        agent.eval_waiting = []
+        agent.running = None
+        agent.interrupt_for = None
+        agent.output_sink = None
+        agent.flush_wakeup = threading.Event()
+        agent.watch_wakeup = threading.Event()
+        agent.main_ident = threading.get_ident()
+        agent.stopping = False
+        if agent.random_fd is not None:
+            try:
+                os.close(agent.random_fd)
+            except OSError:
+                pass
+            agent.random_fd = None
+        agent.t0 = time.monotonic()
+        _agent_mod.run_thread(agent._flusher, name='eval-flusher')
+        _agent_mod.run_thread(agent._watchdog, name='eval-watchdog')
+        if _agent_mod.IS_PID1:
+            _agent_mod.run_thread(_agent_mod.reaper, name='reaper')
+    agent.sandbox_id = ch['id']
+
+
+# ------------------------------------------------------------------ branch: copy a layer
+
+
+def copy_tree(src, dst):
+    """Copies an overlay upper dir: files, dirs, symlinks, whiteouts (0/0
+    character devices), owners, modes, times, xattrs (user.overlay.* mark
+    opaque dirs), hard links kept as links."""
+    links = {}
+
+    def attrs(s, d, st, is_link):
+        try:
+            os.chown(d, st.st_uid, st.st_gid, follow_symlinks=False)
+        except OSError:
+            pass
+        if not is_link:
+            os.chmod(d, stat.S_IMODE(st.st_mode))
+            try:
+                for name in os.listxattr(s, follow_symlinks=False):
+                    os.setxattr(d, name, os.getxattr(s, name, follow_symlinks=False), follow_symlinks=False)
+            except OSError as e:
+                if e.errno not in (errno.ENOTSUP, errno.EPERM):
+                    raise
+        os.utime(d, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+    def walk(s_dir, d_dir):
+        with os.scandir(s_dir) as it:
+            entries = list(it)
+        for e in entries:
+            s, d = e.path, os.path.join(d_dir, e.name)
+            st = e.stat(follow_symlinks=False)
+            mode = st.st_mode
+            if stat.S_ISDIR(mode):
+                os.mkdir(d, 0o700)
+                walk(s, d)
+                attrs(s, d, st, False)
+            elif stat.S_ISLNK(mode):
+                os.symlink(os.readlink(s), d)
+                attrs(s, d, st, True)
+            elif st.st_nlink > 1 and (st.st_dev, st.st_ino) in links:
+                os.link(links[(st.st_dev, st.st_ino)], d)
+            elif stat.S_ISREG(mode):
+                with open(s, 'rb') as fs, open(d, 'wb') as fd:
+                    size = os.fstat(fs.fileno()).st_size
+                    off = 0
+                    while off < size:
+                        n = os.sendfile(fd.fileno(), fs.fileno(), off, min(size - off, 1 << 30))
+                        if n == 0:
+                            break
+                        off += n
+                attrs(s, d, st, False)
+                if st.st_nlink > 1:
+                    links[(st.st_dev, st.st_ino)] = d
+            elif stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISFIFO(mode):
+                os.mknod(d, mode, st.st_rdev)
+                attrs(s, d, st, False)
+            # sockets: bound names of the source's servers; meaningless in the copy
+
+    walk(src, dst)
+    st = os.stat(src)
+    attrs(src, dst, st, False)
