@@ -1,0 +1,165 @@
+// `forkling serve`: the daemon agent frameworks talk to (WebSocket /v1/ws,
+// REST /v1/, /healthz, /metrics). The first line on stdout, once the socket
+// is bound, is exactly `listening <url>` (e.g. `listening http://127.0.0.1:4780`);
+// tools and tests read the port from it. Logs go to stderr.
+import { parseArgs } from 'node:util';
+import type { Engine } from '../engine/engine.ts';
+import { UserError } from '../errors.ts';
+import { callAgentClient } from '../server/agent-bridge.ts';
+import { TokenAuth } from '../server/auth.ts';
+import { createContext } from '../server/context.ts';
+import { DEFAULT_LISTEN, isLoopback, parseListen } from '../server/listen.ts';
+import { SandboxManager } from '../server/manager.ts';
+import { ForklingServer } from '../server/server.ts';
+import { ServerMetrics } from '../server/telemetry.ts';
+import { DEFAULT_MAX_IN_FLIGHT } from '../../protocol/server-ops.ts';
+
+const USAGE = `usage: forkling serve [options]
+
+  --listen <host:port>      where to listen (default ${DEFAULT_LISTEN}; port 0 picks a free one)
+  --token-file <path>       bearer tokens, one a line; required to listen on anything but loopback
+  --engine kvm|process|auto sandbox engine (default auto, or $FORKLING_ENGINE)
+  --max-sandboxes <n>       most live sandboxes (default 100)
+  --max-memory-mib <n>      refuse new sandboxes while all of them use more private memory (default: no limit)
+  --min-free-mib <n>        refuse new sandboxes while the host has less available memory (default 256)
+  --default-timeout-ms <n>  sandbox timeout when a client sets none (default 300000 = 5 minutes)
+  --max-timeout-ms <n>      longest timeout a client may set (default 86400000 = 24 hours)
+  --max-in-flight <n>       open requests per WebSocket connection (default ${DEFAULT_MAX_IN_FLIGHT})
+  --drain-ms <n>            on SIGTERM, how long open requests may still finish (default 10000)
+  --tls-cert <file> --tls-key <file>   serve HTTPS/WSS
+
+Prints \`listening <url>\` as its first line on stdout. SIGTERM or SIGINT drains and kills every sandbox.`;
+
+function positiveInt(name: string, v: string | undefined, dflt: number, min = 1): number {
+  if (v === undefined) return dflt;
+  if (!/^\d+$/.test(v) || Number(v) < min || !Number.isSafeInteger(Number(v))) {
+    throw new UserError(`--${name} must be an integer ≥ ${min}, got ${JSON.stringify(v)}`, USAGE.split('\n')[0]);
+  }
+  return Number(v);
+}
+
+async function openEngine(choice: string | undefined): Promise<Engine> {
+  const sel = (await import('../engine/select.ts')) as unknown as {
+    selectEngine?: (choice?: string) => Promise<Engine>;
+    openEngine?: (choice?: string) => Promise<Engine>;
+  };
+  const open = sel.openEngine ?? sel.selectEngine;
+  if (!open) throw new Error('host/engine/select.ts exports neither openEngine nor selectEngine');
+  return open(choice);
+}
+
+export async function serveCommand(argv: string[]): Promise<number> {
+  let values: Record<string, string | boolean | undefined>;
+  try {
+    ({ values } = parseArgs({
+      args: argv,
+      options: {
+        listen: { type: 'string' },
+        'token-file': { type: 'string' },
+        engine: { type: 'string' },
+        'max-sandboxes': { type: 'string' },
+        'max-memory-mib': { type: 'string' },
+        'min-free-mib': { type: 'string' },
+        'default-timeout-ms': { type: 'string' },
+        'max-timeout-ms': { type: 'string' },
+        'max-in-flight': { type: 'string' },
+        'drain-ms': { type: 'string' },
+        'tls-cert': { type: 'string' },
+        'tls-key': { type: 'string' },
+        help: { type: 'boolean', short: 'h' },
+      },
+    }));
+  } catch (e) {
+    throw new UserError((e as Error).message, 'run `forkling serve --help` for the options');
+  }
+  if (values.help) {
+    console.log(USAGE);
+    return 0;
+  }
+  const str = (k: string) => values[k] as string | undefined;
+  const listen = parseListen(str('listen') ?? DEFAULT_LISTEN);
+  const tokenFile = str('token-file');
+  if (!tokenFile && !isLoopback(listen.host)) {
+    throw new UserError(
+      `refusing to listen on ${listen.host} without a token: anyone who can reach it could run code`,
+      'pass --token-file <path> (one random token a line, chmod 600), or listen on 127.0.0.1',
+    );
+  }
+  const certFile = str('tls-cert');
+  const keyFile = str('tls-key');
+  if (Boolean(certFile) !== Boolean(keyFile)) {
+    throw new UserError('--tls-cert and --tls-key go together', 'give both (PEM files), or neither for plain HTTP');
+  }
+  const maxSandboxes = positiveInt('max-sandboxes', str('max-sandboxes'), 100);
+  const maxMemoryMiB = positiveInt('max-memory-mib', str('max-memory-mib'), 0, 0);
+  const minFreeMiB = positiveInt('min-free-mib', str('min-free-mib'), 256, 0);
+  const defaultTimeoutMs = positiveInt('default-timeout-ms', str('default-timeout-ms'), 300_000);
+  const maxTimeoutMs = positiveInt('max-timeout-ms', str('max-timeout-ms'), 86_400_000);
+  if (defaultTimeoutMs > maxTimeoutMs) {
+    throw new UserError('--default-timeout-ms is above --max-timeout-ms', 'lower the default or raise the maximum');
+  }
+  const maxInFlight = positiveInt('max-in-flight', str('max-in-flight'), DEFAULT_MAX_IN_FLIGHT);
+  const drainMs = positiveInt('drain-ms', str('drain-ms'), 10_000, 0);
+  const auth = tokenFile ? await TokenAuth.fromFile(tokenFile) : null;
+
+  const log = (line: string) => process.stderr.write(`forkling serve: ${line}\n`);
+  const engine = await openEngine(str('engine'));
+  const metrics = new ServerMetrics();
+  const manager = new SandboxManager({
+    engine,
+    maxSandboxes,
+    maxMemoryMiB,
+    minFreeMiB,
+    defaultTimeoutMs,
+    maxTimeoutMs,
+    metrics,
+    log,
+  });
+  const ctx = createContext({ manager, metrics, maxInFlight, callAgent: callAgentClient, log });
+  let server: ForklingServer;
+  try {
+    server = new ForklingServer({ ctx, auth, ...(certFile && keyFile ? { tls: { certFile, keyFile } } : {}) });
+  } catch (e) {
+    await engine.close();
+    throw new UserError(`cannot load the TLS certificate or key: ${(e as Error).message}`, 'give PEM files');
+  }
+  let addr: { url: string };
+  try {
+    addr = await server.listen(listen.host, listen.port);
+  } catch (e) {
+    await manager.close();
+    const code = (e as NodeJS.ErrnoException).code;
+    throw new UserError(
+      `cannot listen on ${listen.host}:${listen.port}: ${code ?? (e as Error).message}`,
+      code === 'EADDRINUSE' ? 'another process uses that port: pick another with --listen' : undefined,
+    );
+  }
+  process.stdout.write(`listening ${addr.url}\n`);
+  log(
+    `engine ${engine.name} (${engine.isolation}); auth ${auth ? 'bearer token' : 'none (loopback only)'}; ` +
+      `max ${maxSandboxes} sandboxes; default timeout ${defaultTimeoutMs} ms`,
+  );
+
+  await new Promise<void>((resolve) => {
+    let stopping = false;
+    const stop = (sig: string) => {
+      if (stopping) {
+        log(`${sig} again: exiting without waiting`);
+        process.exit(1);
+      }
+      stopping = true;
+      log(`${sig}: draining (up to ${drainMs} ms), then killing ${manager.size} sandboxes`);
+      server.shutdown(drainMs).then(
+        () => resolve(),
+        (e) => {
+          log(`shutdown: ${(e as Error).message}`);
+          resolve();
+        },
+      );
+    };
+    process.on('SIGTERM', () => stop('SIGTERM'));
+    process.on('SIGINT', () => stop('SIGINT'));
+  });
+  log('stopped');
+  return 0;
+}
