@@ -280,11 +280,20 @@ export class RestApi {
   private async body(req: IncomingMessage): Promise<Record<string, unknown>> {
     const chunks: Buffer[] = [];
     let size = 0;
-    for await (const c of req) {
-      size += (c as Buffer).length;
-      if (size > MAX_FRAME) throw new ServiceError('frame_too_large', `request body above ${MAX_FRAME} bytes`);
-      chunks.push(c as Buffer);
+    try {
+      for await (const c of req) {
+        size += (c as Buffer).length;
+        if (size > MAX_FRAME) {
+          // Read on (up to a cap) so the client gets to see the 413 rather than a reset.
+          if (size > 4 * MAX_FRAME) req.destroy();
+          continue;
+        }
+        chunks.push(c as Buffer);
+      }
+    } catch (e) {
+      if (size <= MAX_FRAME) throw new ServiceError('bad_request', `the request body was cut off: ${(e as Error).message}`);
     }
+    if (size > MAX_FRAME) throw new ServiceError('frame_too_large', `request body above ${MAX_FRAME} bytes`);
     if (size === 0) return {};
     let v: unknown;
     try {
