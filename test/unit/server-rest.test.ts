@@ -68,7 +68,9 @@ function validate(schema0: Json, v: unknown, at = ''): string[] {
         }
         break;
       case 'items':
-        if (Array.isArray(v)) v.forEach((x, i) => errs.push(...validate(want as Json, x, `${at}/${i}`)));
+        if (Array.isArray(v)) {
+          for (const [i, x] of v.entries()) errs.push(...validate(want as Json, x, `${at}/${i}`));
+        }
         break;
       case 'anyOf':
         if (!(want as Json[]).some((alt) => validate(alt, v, at).length === 0)) errs.push(`${at || '/'}: matches no anyOf branch`);
@@ -213,7 +215,7 @@ test('sandbox lifecycle, agent operations and files over REST', async () => {
   const lines = nd.text.trim().split('\n').map((l) => JSON.parse(l) as Json);
   assert.is(lines[0]?.ev, 'started');
   assert.is(unb64(lines.find((l) => l.ev === 'stdout')?.data), 'via stdin');
-  assert.is((lines.at(-1)?.result as Json).exitCode, 0);
+  assert.is(((lines.at(-1) as Json).result as Json).exitCode, 0);
 
   await call('POST', '/v1/sandboxes/{id}/files.mkdir', p, { body: { path: '/tmp/forkling-rest/d', parents: true } });
   const w = await call('POST', '/v1/sandboxes/{id}/files.write', p, { body: { path: '/tmp/forkling-rest/a', data: b64('json write') } });
