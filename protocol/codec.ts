@@ -4,7 +4,7 @@
 //
 // Browser-safe: no node-only imports; the public API takes and returns
 // Uint8Array (Node's Buffer is one).
-import { Packr, Unpackr } from 'msgpackr';
+import { C1, Packr, Unpackr } from 'msgpackr';
 import { MAX_FRAME } from './schema.ts';
 
 // msgpackr 2.x supports 'auto' at run time; its typings predate it.
@@ -55,6 +55,8 @@ function wideInts(x: unknown): unknown {
 export function decodeFrame(payload: Uint8Array): unknown {
   const values = unpackr.unpackMultiple(payload) as unknown[];
   if (values.length !== 1) throw new Error(`expected one msgpack value, found ${values.length}`);
+  // msgpackr returns a marker for the never-used byte 0xc1 instead of failing
+  if (values[0] === C1) throw new Error('byte 0xc1 is not valid msgpack');
   return values[0];
 }
 
@@ -143,14 +145,16 @@ export class FrameReader {
     }
     const out = new Uint8Array(n);
     let off = 0;
+    let i = 0; // chunks fully used; removed at once (shift() per chunk is quadratic)
     while (off < n) {
-      const c = this.chunks[0]!;
+      const c = this.chunks[i]!;
       const k = Math.min(c.length, n - off);
       out.set(c.subarray(0, k), off);
       off += k;
-      if (k === c.length) this.chunks.shift();
-      else this.chunks[0] = c.subarray(k);
+      if (k === c.length) i++;
+      else this.chunks[i] = c.subarray(k);
     }
+    this.chunks.splice(0, i);
     this.buffered -= n;
     return out;
   }

@@ -92,6 +92,27 @@ const op = <A extends TSchema, R extends TSchema, E extends Record<string, TSche
   clientStream = false,
 ) => ({ args, result, events: (events ?? {}) as E, clientStream }) satisfies OpDef;
 
+// Process engine only (guest-agent/forkling_zygote.py): fork() of the warm
+// agent. `fork` is answered by a zygote, `branch` by a running sandbox; each
+// child is ready (listening on its own socket) when its entry has ok: true.
+const ForkArgs = Type.Object({
+  children: Type.Array(
+    Type.Object({ id: Type.String({ minLength: 1, maxLength: 32 }), hostname: Type.String({ minLength: 1, maxLength: 63 }) }),
+    { minItems: 1, maxItems: 1024 },
+  ),
+});
+const ForkResult = Type.Object({
+  children: Type.Array(
+    Type.Object({
+      id: Type.String(),
+      ok: Type.Boolean(),
+      pid: Type.Optional(Type.Integer()),
+      setupMs: Type.Optional(Type.Number()),
+      error: Type.Optional(Type.String()),
+    }),
+  ),
+});
+
 // ---------------------------------------------------------------- operations
 
 export const OPS = {
@@ -261,6 +282,8 @@ export const OPS = {
     }),
   ),
   shutdown: op(Type.Object({ reboot: Type.Optional(Type.Boolean()) }), Done),
+  fork: op(ForkArgs, ForkResult),
+  branch: op(ForkArgs, ForkResult),
 } as const;
 
 export type OpName = keyof typeof OPS;
