@@ -1,0 +1,82 @@
+// Reading the lab machine's serial console: the LAB-* marker lines printed by
+// init.sh and the inner suite's closing lines (`failed: ...`, `N passed, N failed`).
+
+export type LabStage = 'kernel-up' | 'kvm-ready' | 'mounted' | 'node-start' | 'first-output' | 'exit' | 'poweroff';
+
+export interface LabOutcome {
+  /** the inner suite's counts, from its last `N passed, N failed` line */
+  summary: { passed: number; failed: number; failures: string[] } | null;
+  /** the inner suite's exit status (LAB-EXIT), null if it never ended */
+  exitCode: number | null;
+  /** LAB-FAIL reason (set-up inside the machine failed) */
+  setupFailure: string | null;
+  innerTimeout: boolean;
+}
+
+const SUMMARY_RE = /^(\d+) passed, (\d+) failed$/;
+
+export class LabConsole {
+  readonly stages = new Map<LabStage, number>();
+  readonly outcome: LabOutcome = { summary: null, exitCode: null, setupFailure: null, innerTimeout: false };
+  private readonly tail: string[] = [];
+  private pendingFailures: string[] = [];
+  private partial = '';
+
+  constructor(
+    private readonly onLine: (line: string) => void = () => {},
+    private readonly now: () => number = Date.now,
+    private readonly keep = 60,
+  ) {}
+
+  /** Feeds raw console bytes; complete lines are handled, the rest waits. */
+  feed(chunk: string): void {
+    const text = this.partial + chunk;
+    const lines = text.split('\n');
+    this.partial = lines.pop() ?? '';
+    for (const l of lines) this.line(l);
+  }
+
+  /** Handles whatever is left without a newline (at the end). */
+  flush(): void {
+    if (this.partial) this.line(this.partial);
+    this.partial = '';
+  }
+
+  /** The last console lines, for error reports. */
+  lastLines(n = this.keep): string[] {
+    return this.tail.slice(-n);
+  }
+
+  private mark(stage: LabStage): void {
+    if (!this.stages.has(stage)) this.stages.set(stage, this.now());
+  }
+
+  line(raw: string): void {
+    // Serial output carries CRs and, at boot, escape sequences from the firmware.
+    const line = raw.replace(/\r/g, '').replace(/\x1b\[[0-9;?]*[A-Za-z]/g, '');
+    this.tail.push(line);
+    if (this.tail.length > this.keep) this.tail.shift();
+    this.onLine(line);
+
+    if (this.stages.has('node-start') && !this.stages.has('first-output') && !line.startsWith('LAB-')) this.mark('first-output');
+    const stage = /^LAB-STAGE (kernel-up|kvm-ready|mounted)\b/.exec(line);
+    const exit = /^LAB-EXIT (\d+)/.exec(line);
+    const setup = /^LAB-FAIL (.*)$/.exec(line);
+    const inSuite = this.stages.has('node-start') && !this.stages.has('exit');
+    const failedList = inSuite ? /^failed: (.+)$/.exec(line) : null;
+    const summary = inSuite ? SUMMARY_RE.exec(line) : null;
+    if (stage) this.mark(stage[1] as LabStage);
+    else if (line.startsWith('LAB-NODE-START')) this.mark('node-start');
+    else if (exit) {
+      this.outcome.exitCode = Number(exit[1]);
+      this.mark('exit');
+    } else if (line.startsWith('LAB-POWEROFF')) this.mark('poweroff');
+    else if (line.startsWith('LAB-TIMEOUT')) this.outcome.innerTimeout = true;
+    else if (setup) this.outcome.setupFailure ??= setup[1] ?? 'unknown';
+    else if (failedList) this.pendingFailures = failedList[1]!.split(', ').filter(Boolean);
+    else if (summary) {
+      this.outcome.summary = { passed: Number(summary[1]), failed: Number(summary[2]), failures: this.pendingFailures };
+      this.pendingFailures = [];
+    }
+  }
+}

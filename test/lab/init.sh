@@ -1,0 +1,77 @@
+#!/bin/busybox sh
+# PID 1 of the KVM lab's emulated machine (busybox). It loads KVM and 9p,
+# mounts the host's root read-only at /host, chroots into it and runs the KVM
+# test files with the host's own node. The host (test/lab/run.ts) watches the
+# serial console for the LAB-* lines below; they are its readiness signals.
+/bin/busybox --install -s /bin
+export PATH=/bin
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+
+fail() {
+	echo "LAB-FAIL $*"
+	dmesg | tail -n 20 | sed 's/^/kernel: /'
+	poweroff -f
+}
+
+# Per-run settings (LAB_REPO, LAB_NODE, LAB_PATH, LAB_STORE, LAB_CI, LAB_FILTER,
+# LAB_INNER_TIMEOUT), appended to the initramfs by the host.
+[ -f /lab.env ] || fail "/lab.env missing from the initramfs"
+. /lab.env
+echo "LAB-STAGE kernel-up $(cut -d' ' -f1 /proc/uptime)"
+
+for m in $(cat /modules/order); do
+	insmod "/modules/$m.ko" || fail "insmod $m"
+done
+[ -c /dev/kvm ] || fail "/dev/kvm did not appear after loading the kvm modules"
+echo "LAB-STAGE kvm-ready $(dmesg | grep -ci 'nested paging enabled') $(cut -d' ' -f1 /proc/uptime)"
+
+mkdir -p /host
+# cache=loose: the share is read-only and the host leaves it alone during the run.
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,cache=loose,msize=262144 host /host || fail "mount of the host root (9p) failed"
+for d in proc sys dev tmp; do
+	[ -d "/host/$d" ] || fail "the host has no /$d to mount on"
+done
+mount -t proc proc /host/proc
+mount -t sysfs sysfs /host/sys
+mount -t devtmpfs devtmpfs /host/dev
+mkdir -p /host/dev/pts /host/dev/shm
+mount -t devpts devpts /host/dev/pts
+mount -t tmpfs tmpfs /host/dev/shm
+mount -t tmpfs -o mode=1777 tmpfs /host/tmp || fail "tmpfs on /tmp"
+[ -d /host/run ] && mount -t tmpfs tmpfs /host/run
+
+# The host's store, readable, writable through an overlay whose changes live in
+# the lab's /tmp (the outer store is never modified).
+STORE=/tmp/forkling-store
+if [ -n "$LAB_STORE" ] && [ -d "/host$LAB_STORE" ]; then
+	mkdir -p /host/tmp/.lab-store/upper /host/tmp/.lab-store/work
+	mount -t overlay overlay -o "lowerdir=/host$LAB_STORE,upperdir=/host/tmp/.lab-store/upper,workdir=/host/tmp/.lab-store/work" "/host$LAB_STORE" ||
+		fail "overlay on the store $LAB_STORE failed"
+	STORE="$LAB_STORE"
+else
+	echo "LAB-NOTE the store ${LAB_STORE:-(unset)} does not exist on the host; using an empty one in /tmp"
+	mkdir -p "/host$STORE"
+fi
+[ -d "/host$LAB_REPO" ] || fail "the checkout $LAB_REPO is not visible through the host share"
+[ -x "/host$LAB_NODE" ] || fail "node ($LAB_NODE) is not visible through the host share"
+echo "LAB-STAGE mounted $(cut -d' ' -f1 /proc/uptime)"
+
+# Kernel messages stay in dmesg while the suite prints (the host parses the console).
+dmesg -n 1
+dmesg_before=$(dmesg | wc -l)
+echo "LAB-NODE-START $(cut -d' ' -f1 /proc/uptime)"
+timeout -s KILL "$LAB_INNER_TIMEOUT" chroot /host /usr/bin/env -i \
+	PATH="$LAB_PATH" HOME=/tmp TMPDIR=/tmp TERM=dumb LANG=C.UTF-8 \
+	CI="$LAB_CI" FORKLING_HOME="$STORE" FORKLING_TEST_FILTER="$LAB_FILTER" FORKLING_IN_LAB=1 \
+	/bin/sh -c 'cd "$1" && exec "$2" test/run.mjs kvm-direct' lab "$LAB_REPO" "$LAB_NODE" </dev/null
+code=$?
+[ "$code" = 137 ] && echo "LAB-TIMEOUT the inner suite ran past ${LAB_INNER_TIMEOUT}s and was killed"
+echo "LAB-EXIT $code $(cut -d' ' -f1 /proc/uptime)"
+if [ "$code" != 0 ]; then
+	echo "kernel messages during the run (last 30):"
+	dmesg | tail -n "+$((dmesg_before + 1))" | tail -n 30 | sed 's/^/kernel: /'
+fi
+echo "LAB-POWEROFF"
+poweroff -f

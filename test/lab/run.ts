@@ -1,0 +1,194 @@
+// The KVM lab: boots a software-emulated x86 machine (QEMU TCG, AMD SVM) in
+// which KVM works, and runs test/kvm/*.test.ts inside it with this host's own
+// node and this checkout (the host's root is shared read-only over 9p).
+//
+//   npx tsx test/lab/run.ts            (npm run test:kvm calls it via test/run.mjs)
+//
+// Settings (environment):
+//   FORKLING_LAB_TIMEOUT_S  overall limit for one lab run, seconds (default 1200)
+//   FORKLING_LAB_MEM_MB     the lab machine's RAM (default 4096; nested guests need 1-2 GiB)
+//   FORKLING_LAB_CPUS       its vCPUs (default 2)
+//   FORKLING_LAB_CPU        QEMU CPU model (default EPYC,+svm,+npt)
+//   FORKLING_LAB_BUSYBOX    static busybox to use (default /bin/busybox)
+//   FORKLING_HOME           the store; mounted inside (writes go to an overlay in the lab's RAM)
+//   FORKLING_TEST_FILTER, CI  passed to the inner suite
+// Writes <repo>/.lab/last-summary.json = {startedAt, passed, failed, failures}
+// and exits 0 only if every inner test passed.
+import { type ChildProcess, spawn } from 'node:child_process';
+import { existsSync, mkdirSync } from 'node:fs';
+import { dirname, join, resolve } from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { UserError } from '../../host/errors.ts';
+import { ADDON_PATH } from '../../host/native.ts';
+import { storeRoot, writeFileAtomic } from '../../host/store.ts';
+import { distroKernel } from '../../images/kernel.ts';
+import { LabConsole, type LabStage } from './console.ts';
+import { baseInitramfs, runInitrd } from './initramfs.ts';
+
+const REPO = dirname(dirname(dirname(fileURLToPath(import.meta.url))));
+const LAB_DIR = join(REPO, '.lab');
+const SUMMARY = join(LAB_DIR, 'last-summary.json');
+const QEMU = 'qemu-system-x86_64';
+
+interface Summary {
+  startedAt: number;
+  passed: number;
+  failed: number;
+  failures: string[];
+}
+
+function envInt(name: string, def: number, min: number): number {
+  const v = process.env[name];
+  if (v === undefined || v === '') return def;
+  const n = Number(v);
+  if (!Number.isInteger(n) || n < min) throw new UserError(`${name}=${v} is not a whole number >= ${min}`, `unset it or set e.g. ${name}=${def}`);
+  return n;
+}
+
+const say = (line: string) => process.stdout.write(`[lab] ${line}\n`);
+
+function writeSummary(s: Summary): void {
+  mkdirSync(LAB_DIR, { recursive: true });
+  writeFileAtomic(SUMMARY, `${JSON.stringify(s, null, 2)}\n`);
+}
+
+let qemu: ChildProcess | undefined;
+function killQemu(): void {
+  if (qemu && qemu.exitCode === null && qemu.signalCode === null) {
+    try {
+      qemu.kill('SIGKILL');
+    } catch {}
+  }
+}
+process.on('exit', killQemu);
+for (const sig of ['SIGINT', 'SIGTERM', 'SIGHUP'] as const) {
+  process.on(sig, () => {
+    killQemu();
+    process.exit(130);
+  });
+}
+
+async function main(startedAt: number): Promise<Summary> {
+  const timeoutS = envInt('FORKLING_LAB_TIMEOUT_S', 1200, 30);
+  const memMb = envInt('FORKLING_LAB_MEM_MB', 4096, 1024);
+  const cpus = envInt('FORKLING_LAB_CPUS', 2, 1);
+  const cpu = process.env.FORKLING_LAB_CPU || 'EPYC,+svm,+npt';
+  const fail = (why: string): Summary => ({ startedAt, passed: 0, failed: 1, failures: [why] });
+
+  if (!existsSync(ADDON_PATH)) {
+    throw new UserError(`the native addon is not built (${ADDON_PATH})`, 'run npm install (or npm run build:native) before the KVM lab');
+  }
+  const kernel = distroKernel();
+  mkdirSync(LAB_DIR, { recursive: true });
+  const initramfs = baseInitramfs(LAB_DIR, kernel);
+  say(
+    `kernel ${kernel.release} (${kernel.version}); initramfs ${initramfs.cached ? 'cached' : 'built'}: ${initramfs.path} ` +
+      `(modules: ${initramfs.modules.join(' ')})`,
+  );
+  const store = resolve(storeRoot());
+  const initrd = runInitrd(LAB_DIR, initramfs.path, {
+    LAB_REPO: REPO,
+    LAB_NODE: process.execPath,
+    LAB_PATH: `${dirname(process.execPath)}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin`,
+    LAB_STORE: store,
+    LAB_CI: process.env.CI ?? '',
+    LAB_FILTER: process.env.FORKLING_TEST_FILTER ?? '',
+    // The inner watchdog fires first so that the kernel log still gets printed.
+    LAB_INNER_TIMEOUT: String(Math.max(20, timeoutS - 60)),
+  });
+
+  const args = [
+    '-M', 'q35', '-accel', 'tcg', '-cpu', cpu, '-m', String(memMb), '-smp', String(cpus),
+    '-kernel', kernel.vmlinuz, '-initrd', initrd,
+    '-append', 'console=ttyS0 quiet loglevel=4 panic=-1 rdinit=/init',
+    '-display', 'none', '-vga', 'none', '-monitor', 'none', '-serial', 'stdio', '-nic', 'none', '-no-reboot',
+    '-virtfs', 'local,path=/,mount_tag=host,security_model=none,readonly=on,multidevs=remap',
+  ];
+  say(`booting: ${QEMU} ${args.join(' ')}`);
+  say(`store ${store} (read-only below an overlay in the lab), limit ${timeoutS}s`);
+
+  const bootAt = Date.now();
+  // TCG lacks some features of the EPYC model; qemu warns per feature and vCPU.
+  const missing = new Set<string>();
+  const reportMissing = () => {
+    if (missing.size) say(`qemu: TCG does not emulate these CPU features of ${cpu} (harmless): ${[...missing].join(' ')}`);
+    missing.clear();
+  };
+  const con = new LabConsole((l) => {
+    reportMissing();
+    say(l);
+  });
+  const child = spawn(QEMU, args, { stdio: ['pipe', 'pipe', 'pipe'] });
+  qemu = child;
+  child.stdout?.setEncoding('utf8').on('data', (d: string) => con.feed(d));
+  child.stderr?.setEncoding('utf8').on('data', (d: string) => {
+    for (const l of d.split('\n').filter(Boolean)) {
+      const f = /TCG doesn't support requested feature: \S+ (\S+)/.exec(l);
+      if (f?.[1]) missing.add(f[1]);
+      else say(`qemu: ${l}`);
+    }
+  });
+  let timedOut = false;
+  const timer = setTimeout(() => {
+    timedOut = true;
+    say(`TIMEOUT: the lab ran past ${timeoutS}s (FORKLING_LAB_TIMEOUT_S); killing qemu`);
+    killQemu();
+  }, timeoutS * 1000);
+  const exit = await new Promise<{ code: number | null; error?: NodeJS.ErrnoException }>((res) => {
+    child.on('error', (error: NodeJS.ErrnoException) => res({ code: null, error }));
+    child.on('close', (code) => res({ code }));
+  });
+  clearTimeout(timer);
+  con.flush();
+  if (exit.error) {
+    throw new UserError(`cannot run ${QEMU}: ${exit.error.code ?? exit.error.message}`, 'install it with: apt-get install qemu-system-x86');
+  }
+
+  const t = (s: LabStage) => con.stages.get(s);
+  const secs = (a?: number, b?: number) => (a !== undefined && b !== undefined ? `${((b - a) / 1000).toFixed(1)}s` : '-');
+  say(
+    `timings: boot to init ${secs(bootAt, t('kernel-up'))}, modules/kvm ${secs(t('kernel-up'), t('kvm-ready'))}, ` +
+      `mounts ${secs(t('kvm-ready'), t('mounted'))}, node start to first output ${secs(t('node-start'), t('first-output'))}, ` +
+      `suite ${secs(t('node-start'), t('exit'))}, total ${secs(startedAt, Date.now())}`,
+  );
+
+  const o = con.outcome;
+  const showTail = () => {
+    say('last console lines:');
+    for (const l of con.lastLines(40)) say(`  | ${l}`);
+  };
+  if (timedOut) {
+    showTail();
+    return fail(`timed out after ${timeoutS}s`);
+  }
+  if (o.setupFailure) return fail(`set-up inside the lab failed: ${o.setupFailure}`);
+  if (o.exitCode === null) {
+    showTail();
+    return fail(`the lab machine stopped (qemu exit ${exit.code}) before the suite ended`);
+  }
+  if (!o.summary) {
+    showTail();
+    return fail(`the inner suite ended (exit ${o.exitCode}) without a "N passed, N failed" line${o.innerTimeout ? ' (inner time limit)' : ''}`);
+  }
+  const s: Summary = { startedAt, ...o.summary };
+  if (o.exitCode !== 0 && s.failed === 0) {
+    s.failed = 1;
+    s.failures = [...s.failures, `inner suite exit status ${o.exitCode}`];
+  }
+  return s;
+}
+
+let summary: Summary;
+const startedAt = Date.now();
+try {
+  summary = await main(startedAt);
+} catch (e) {
+  const msg = e instanceof UserError ? `${e.message}${e.hint ? ` (${e.hint})` : ''}` : e instanceof Error ? (e.stack ?? e.message) : String(e);
+  say(`ERROR: ${msg}`);
+  summary = { startedAt, passed: 0, failed: 1, failures: [`could not run: ${msg.split('\n')[0]}`] };
+} finally {
+  killQemu();
+}
+writeSummary(summary);
+say(`inner result: ${summary.passed} passed, ${summary.failed} failed${summary.failures.length ? ` (${summary.failures.join(', ')})` : ''}`);
+process.exit(summary.failed === 0 ? 0 : 1);
