@@ -99,8 +99,9 @@ def register(agent_mod):
     """Adds the fork and branch ops (and their argument schemas) to the agent."""
     global _agent_mod
     _agent_mod = agent_mod
-    agent_mod.SCHEMA['ops']['fork'] = {'args': FORK_ARGS, 'clientStream': False}
-    agent_mod.SCHEMA['ops']['branch'] = {'args': FORK_ARGS, 'clientStream': False}
+    # protocol/schema.ts has both ops; an agent built from an older schema gets them here.
+    agent_mod.SCHEMA['ops'].setdefault('fork', {'args': FORK_ARGS, 'clientStream': False})
+    agent_mod.SCHEMA['ops'].setdefault('branch', {'args': FORK_ARGS, 'clientStream': False})
     agent_mod.OPS['fork'] = op_fork
     agent_mod.OPS['branch'] = op_branch
     if ROLE == 'zygote':

@@ -18,7 +18,7 @@
 //   stage/root       overlay(image, upper): becomes /
 // and in the new root: /proc (new, for the new pid ns), /dev (tmpfs with
 // null zero full random urandom tty bound from the host, a new devpts,
-// /dev/shm), /tmp, /run (tmpfs), /run/forkling (the host's runDir, for the
+// /dev/shm), /run (tmpfs; /tmp stays in the overlay so BRANCH copies it), /run/forkling (the host's runDir, for the
 // agent's Unix socket), /run/forkling-layers/{image,upper} (what the zygote
 // builds its children's read-only base from), /sys (empty, read-only).
 // The old root is detached after pivot_root: no host path stays reachable.
@@ -74,7 +74,7 @@ const char* const kSteps[] = {
     "bind a device node",            // 13
     "mount /dev/pts",                // 14
     "mount /dev/shm",                // 15
-    "mount /tmp",                    // 16
+    "(unused)",                      // 16
     "mount /sys",                    // 17
     "sethostname",                   // 18
     "bring up lo",                   // 19
@@ -90,7 +90,7 @@ struct Prepared {
   // paths outside (host view)
   std::string stage, image, upper, work, root, rootfs, runDir;
   // paths inside the new root, still prefixed with `root`
-  std::string run, runForkling, layers, layersImage, layersUpper, proc, dev, pts, shm, tmp, sys;
+  std::string run, runForkling, layers, layersImage, layersUpper, proc, dev, pts, shm, sys;
   std::vector<std::string> devNames, devHost, devTarget;
   std::vector<std::pair<std::string, std::string>> devLinks;  // target, linkpath
   std::string layerOpts, overlayOpts, hostname;
@@ -172,7 +172,6 @@ bool MkdirP(const char* path) { return mkdir(path, 0755) == 0 || errno == EEXIST
     if (symlink(l.first.c_str(), l.second.c_str()) != 0) Fail(errW, 12, errno);
   }
   if (!MkdirP(p.shm.c_str()) || mount("tmpfs", p.shm.c_str(), "tmpfs", quiet, "mode=1777") != 0) Fail(errW, 15, errno);
-  if (!MkdirP(p.tmp.c_str()) || mount("tmpfs", p.tmp.c_str(), "tmpfs", quiet, "mode=1777") != 0) Fail(errW, 16, errno);
   // An empty read-only /sys: no sysfs (host hardware) in the sandbox.
   if (!MkdirP(p.sys.c_str()) || mount("tmpfs", p.sys.c_str(), "tmpfs", quiet | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0555") != 0) {
     Fail(errW, 17, errno);
@@ -362,7 +361,6 @@ Napi::Value Launch(const Napi::CallbackInfo& info) {
   p.dev = p.root + "/dev";
   p.pts = p.dev + "/pts";
   p.shm = p.dev + "/shm";
-  p.tmp = p.root + "/tmp";
   p.sys = p.root + "/sys";
   for (const char* d : {"null", "zero", "full", "random", "urandom", "tty"}) {
     p.devHost.push_back(std::string("/dev/") + d);
