@@ -4,8 +4,8 @@
 import { existsSync, mkdirSync, readdirSync } from 'node:fs';
 import { join } from 'node:path';
 import { UserError } from '../host/errors.ts';
-import { storePath } from '../host/store.ts';
 import { runTool } from '../host/util/exec.ts';
+import { cacheRoot } from './cache.ts';
 
 export interface DistroKernel {
   /** e.g. 6.1.0-57-amd64 */
@@ -32,7 +32,7 @@ function resolveKernelPackage(): string {
  * use. A later call works offline from the cache.
  */
 export function distroKernel(): DistroKernel {
-  const cache = storePath('cache', 'kernel');
+  const cache = join(cacheRoot(), 'kernel');
   mkdirSync(cache, { recursive: true });
   let pkg: string | undefined;
   try {
