@@ -182,6 +182,8 @@ void VirtioVsock::ClearRuntime() {
 
 void VirtioVsock::StartLoop() {
   stop_ = false;
+  // A kick left pending by a stopped loop would swallow every later kick.
+  kick_pending_ = false;
   running_ = true;
   thread_ = std::thread(&VirtioVsock::Loop, this);
 }
