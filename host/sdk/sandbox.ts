@@ -353,6 +353,9 @@ export class Commands {
 
 export type ReadFormat = 'text' | 'bytes' | 'stream';
 
+/** Bytes per files.read request of a streamed read. */
+const STREAM_WINDOW = 4 * MAX_CHUNK;
+
 export class Files {
   constructor(private readonly sb: Sandbox) {}
 
@@ -362,44 +365,43 @@ export class Files {
   read(path: string, opts: { format: 'stream' }): Promise<ReadableStream<Uint8Array>>;
   async read(path: string, opts: { format?: ReadFormat } = {}): Promise<string | Uint8Array | ReadableStream<Uint8Array>> {
     const format = opts.format ?? 'text';
-    if (format === 'stream') {
-      let req: OpenRequest | null = null;
-      let ctl!: ReadableStreamDefaultController<Uint8Array>;
-      const stream = new ReadableStream<Uint8Array>({
-        start: (c) => {
-          ctl = c;
-        },
-        cancel: () => req?.cancel(),
-      });
-      // read() resolves with the stream at the first chunk (or the end of an
-      // empty file) and rejects when the read fails before any data (no such file).
-      let firstSeen!: () => void;
-      const first = new Promise<void>((r) => {
-        firstSeen = r;
-      });
-      req = await this.sb.openCall('files.read', { path }, (ev) => {
-        if (ev.ev === 'chunk' && ev.data instanceof Uint8Array) {
-          ctl.enqueue(new Uint8Array(ev.data));
-          firstSeen();
-        }
-      });
-      const done = req.done.then(
-        () => ctl.close(),
-        (e: unknown) => {
-          ctl.error(e);
-          throw e;
-        },
-      );
-      await Promise.race([first, done]);
-      done.catch(() => {}); // later failures reach the reader through the stream
-      return stream;
-    }
+    if (format === 'stream') return this.readStream(path);
     const parts: Uint8Array[] = [];
     await this.sb.call('files.read', { path }, (ev) => {
       if (ev.ev === 'chunk' && ev.data instanceof Uint8Array) parts.push(ev.data);
     });
     const bytes = concat(parts);
     return format === 'bytes' ? bytes : new TextDecoder().decode(bytes);
+  }
+
+  /**
+   * A ReadableStream that pulls the file in windows of STREAM_WINDOW bytes
+   * (files.read with offset/length), so a slow reader holds back the sandbox
+   * instead of filling memory. Rejects at once when the file cannot be read.
+   */
+  private async readStream(path: string): Promise<ReadableStream<Uint8Array>> {
+    const readWindow = async (offset: number) => {
+      const parts: Uint8Array[] = [];
+      const res = await this.sb.call('files.read', { path, offset, length: STREAM_WINDOW }, (ev) => {
+        if (ev.ev === 'chunk' && ev.data instanceof Uint8Array) parts.push(new Uint8Array(ev.data));
+      });
+      return { parts, size: Number(res.size) };
+    };
+    let first: { parts: Uint8Array[]; size: number } | null = await readWindow(0);
+    let offset = first.size;
+    let done = first.size < STREAM_WINDOW;
+    return new ReadableStream<Uint8Array>({
+      pull: async (ctl) => {
+        const w = first ?? (done ? null : await readWindow(offset));
+        if (!first && w) {
+          offset += w.size;
+          if (w.size < STREAM_WINDOW) done = true;
+        }
+        first = null;
+        if (w) for (const p of w.parts) ctl.enqueue(p);
+        if (done || !w || w.size === 0) ctl.close();
+      },
+    });
   }
 
   /** Writes a file (parents created), any size: large data goes in chunks. */
