@@ -225,6 +225,12 @@ export class RestApi {
     const call = this.ctx.callAgent(sb, 'files.read', args, (ev) => {
       if (ev.ev !== 'chunk' || !(ev.data instanceof Uint8Array)) return;
       if (!res.headersSent) res.writeHead(200, { 'Content-Type': 'application/octet-stream' });
+      if (res.writableLength > 256 * 1024 * 1024) {
+        // The client reads far slower than the sandbox sends: stop instead of buffering without bound.
+        call.cancel();
+        res.destroy();
+        return;
+      }
       res.write(ev.data);
     });
     const onGone = () => call.cancel();

@@ -29,6 +29,7 @@ export interface ServerOptions {
  * socket with 1009 (message too big), which is the only way to refuse it.
  */
 export const WS_HARD_CAP = 2 * MAX_FRAME;
+const HEARTBEAT_MS = 30_000;
 
 export class ForklingServer {
   readonly http: Server;
@@ -36,6 +37,7 @@ export class ForklingServer {
   private readonly sessions = new Set<WsSession>();
   private readonly rest: RestApi;
   private draining = false;
+  private readonly heartbeat: NodeJS.Timeout;
 
   constructor(private readonly opts: ServerOptions) {
     const { ctx } = opts;
@@ -52,6 +54,11 @@ export class ForklingServer {
       handleProtocols: (protocols) => (protocols.has(WS_SUBPROTOCOL) ? WS_SUBPROTOCOL : false),
     });
     this.http.on('upgrade', (req, socket, head) => this.onUpgrade(req, socket, head));
+    // Half-open TCP connections (a client that vanished) are found by ping/pong.
+    this.heartbeat = setInterval(() => {
+      for (const s of this.sessions) if (!s.heartbeat()) this.sessions.delete(s);
+    }, HEARTBEAT_MS);
+    this.heartbeat.unref();
     this.http.on('clientError', (_e, socket) => {
       if (socket.writable) socket.end('HTTP/1.1 400 Bad Request\r\nConnection: close\r\n\r\n');
     });
@@ -99,6 +106,7 @@ export class ForklingServer {
     this.rest.draining = true;
     this.opts.ctx.manager.beginDrain();
     this.http.close();
+    clearInterval(this.heartbeat);
     const until = Date.now() + drainMs;
     while (this.wsInFlight() + this.rest.inFlight > 0 && Date.now() < until) {
       await new Promise((r) => setTimeout(r, 20));

@@ -25,6 +25,8 @@ import {
 } from './validate.ts';
 
 const ROUTED = new Set<string>(ROUTED_OPS);
+/** Unsent bytes a client may let pile up before its session is closed. */
+const MAX_BUFFERED = 256 * 1024 * 1024;
 
 interface Open {
   op: string;
@@ -37,6 +39,7 @@ export class WsSession {
   private hello = false;
   private readonly open = new Map<number, Open>();
   private closed = false;
+  private alive = true;
 
   constructor(
     private readonly ws: WebSocket,
@@ -45,6 +48,9 @@ export class WsSession {
     ws.on('message', (data, isBinary) => this.onMessage(data as Buffer | Buffer[] | ArrayBuffer, isBinary));
     ws.on('close', () => this.onClose());
     ws.on('error', () => {}); // 'close' follows; a broken socket is not the server's problem
+    ws.on('pong', () => {
+      this.alive = true;
+    });
   }
 
   /** Requests of this client still open. */
@@ -240,7 +246,26 @@ export class WsSession {
 
   private send(frame: Record<string, unknown>): void {
     if (this.closed) return;
+    if (this.ws.bufferedAmount > MAX_BUFFERED) {
+      // The client reads slower than its sandboxes stream: rather than hold
+      // unbounded output in memory, end the session (its requests are cancelled).
+      this.ctx.log(`ws: closing a session with ${this.ws.bufferedAmount} bytes unsent (client too slow)`);
+      this.closed = true;
+      this.ws.close(1008, 'client too slow: more than 256 MiB unsent');
+      return;
+    }
     this.ws.send(encodeFrame(frame), { binary: true });
+  }
+
+  /** Heartbeat: true when the client answered the previous ping (else it is dropped). */
+  heartbeat(): boolean {
+    if (!this.alive) {
+      this.ws.terminate();
+      return false;
+    }
+    this.alive = false;
+    this.ws.ping();
+    return true;
   }
 
   private onClose(): void {
