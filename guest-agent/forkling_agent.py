@@ -1650,7 +1650,7 @@ def pid1_setup():
     except OSError as e:
         log('sethostname: %s' % e)
     loopback_up()
-    load_modules(libc)
+    load_modules(finit_module_syscall(libc))
     run_thread(reaper, name='reaper')
 
 
@@ -1665,21 +1665,28 @@ def loopback_up():
         log('bringing up lo: %s' % e)
 
 
-def load_modules(libc, listing='/etc/forkling/modules'):
-    """finit_module for each `<path relative to /> [params]` line, in order."""
-    import ctypes
-    import platform
-    nr = {'x86_64': 313, 'aarch64': 273}.get(platform.machine())
-    try:
-        with open(listing) as fh:
-            lines = [ln.strip() for ln in fh]
-    except FileNotFoundError:
-        return
-    for line in lines:
+def parse_module_list(text):
+    """[(absolute path, params)] from `<path relative to /> [params]` lines."""
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
         if not line or line.startswith('#'):
             continue
         path, _, params = line.partition(' ')
-        full = '/' + path.lstrip('/')
+        out.append(('/' + path.lstrip('/'), params.strip()))
+    return out
+
+
+def load_modules(syscall, listing='/etc/forkling/modules'):
+    """finit_module(fd, params, flags) for each listed module, in order.
+    `syscall(fd, params_bytes, flags)` returns 0 or an errno."""
+    try:
+        with open(listing) as fh:
+            modules = parse_module_list(fh.read())
+    except FileNotFoundError:
+        return []
+    done = []
+    for full, params in modules:
         flags = 4 if full.endswith(('.xz', '.zst', '.gz')) else 0  # MODULE_INIT_COMPRESSED_FILE
         try:
             fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC)
@@ -1687,13 +1694,43 @@ def load_modules(libc, listing='/etc/forkling/modules'):
             log('module %s: %s' % (full, e.strerror))
             continue
         try:
-            rc = libc.syscall(ctypes.c_long(nr), ctypes.c_int(fd), params.strip().encode(), ctypes.c_int(flags))
-            if rc != 0:
-                err = ctypes.get_errno()
-                if err != errno.EEXIST:
-                    log('finit_module %s: %s' % (full, os.strerror(err)))
+            err = syscall(fd, params.encode(), flags)
         finally:
             os.close(fd)
+        if err and err != errno.EEXIST:  # EEXIST: built in or already loaded
+            log('finit_module %s: %s' % (full, os.strerror(err)))
+        else:
+            done.append(full)
+    return done
+
+
+def finit_module_syscall(libc):
+    import ctypes
+    import platform
+    nr = {'x86_64': 313, 'aarch64': 273}.get(platform.machine(), 313)
+
+    def call(fd, params, flags):
+        rc = libc.syscall(ctypes.c_long(nr), ctypes.c_int(fd), ctypes.c_char_p(params), ctypes.c_int(flags))
+        return ctypes.get_errno() if rc != 0 else 0
+    return call
+
+
+def zombie_children(ppid):
+    """Pids of zombie processes whose parent is ppid (from /proc)."""
+    out = set()
+    want = str(ppid).encode()
+    for name in os.listdir('/proc'):
+        if not name.isdigit():
+            continue
+        try:
+            with open('/proc/%s/stat' % name, 'rb') as fh:
+                s = fh.read()
+        except OSError:
+            continue
+        rest = s[s.rfind(b')') + 2:].split()
+        if len(rest) > 1 and rest[0] == b'Z' and rest[1] == want:
+            out.add(int(name))
+    return out
 
 
 def reaper():
@@ -1703,19 +1740,8 @@ def reaper():
     seen = set()
     while True:
         time.sleep(0.5)
-        zombies = set()
         try:
-            for name in os.listdir('/proc'):
-                if not name.isdigit():
-                    continue
-                try:
-                    with open('/proc/%s/stat' % name, 'rb') as fh:
-                        s = fh.read()
-                except OSError:
-                    continue
-                rest = s[s.rfind(b')') + 2:].split()
-                if len(rest) > 1 and rest[0] == b'Z' and rest[1] == b'1':
-                    zombies.add(int(name))
+            zombies = zombie_children(1)
         except OSError:
             continue
         mine = AGENT.tracked_pids() if AGENT else set()

@@ -38,7 +38,9 @@ function wideInts(x: unknown): unknown {
     let out: unknown[] | null = null;
     for (let i = 0; i < x.length; i++) {
       const v = wideInts(x[i]);
-      if (v !== x[i]) (out ??= [...x])[i] = v;
+      if (v === x[i]) continue;
+      out ??= [...x];
+      out[i] = v;
     }
     return out ?? x;
   }
@@ -46,7 +48,9 @@ function wideInts(x: unknown): unknown {
   for (const k in x) {
     const v0 = (x as Record<string, unknown>)[k];
     const v = wideInts(v0);
-    if (v !== v0) (out ??= { ...(x as Record<string, unknown>) })[k] = v;
+    if (v === v0) continue;
+    out ??= { ...(x as Record<string, unknown>) };
+    out[k] = v;
   }
   return out ?? x;
 }

@@ -4,6 +4,7 @@ the validator, value conversion. Run: /usr/bin/python3 -m unittest discover gues
 import importlib.util
 import json
 import os
+import sys
 import unittest
 
 import msgpack
@@ -13,8 +14,11 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 
 
 def load_agent():
+    # as in an image: the agent finds its optional companion modules next to it
+    sys.path.insert(0, os.path.join(ROOT, 'guest-agent'))
     spec = importlib.util.spec_from_file_location('forkling_agent', os.path.join(ROOT, 'guest-agent', 'forkling_agent.py'))
     mod = importlib.util.module_from_spec(spec)
+    sys.modules['forkling_agent'] = mod
     spec.loader.exec_module(mod)
     return mod
 

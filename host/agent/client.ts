@@ -114,6 +114,8 @@ function concat(parts: Uint8Array[]): Uint8Array {
 export class AgentClient {
   private readonly pending = new Map<number, Pending>();
   private nextId = 1;
+  /** Requests this side cancelled whose final frame has not come yet: their late frames are expected. */
+  private readonly cancelledIds = new Set<number>();
   private closeError: AgentError | null = null;
   private readonly reader: FrameReader;
   private readonly drainWaiters: (() => void)[] = [];
@@ -227,7 +229,10 @@ export class AgentClient {
     const p = this.pending.get(id);
     if (!p) return;
     this.settle(id)?.reject(err);
-    if (!this.closeError) this.sendFrame({ t: 'cancel', id }).catch(() => {});
+    if (this.closeError) return;
+    this.cancelledIds.add(id);
+    if (this.cancelledIds.size > 4096) this.cancelledIds.delete(this.cancelledIds.values().next().value!);
+    this.sendFrame({ t: 'cancel', id }).catch(() => {});
   }
 
   private settle(id: number): Pending | undefined {
@@ -292,7 +297,8 @@ export class AgentClient {
     }
     const p = this.pending.get(f.id);
     if (!p) {
-      this.stray(f); // late frame of a cancelled / timed-out request
+      if (!this.cancelledIds.has(f.id)) this.stray(f);
+      else if (f.t !== 'ev') this.cancelledIds.delete(f.id); // the last frame of a request we cancelled
       return;
     }
     if (f.t === 'ev') {

@@ -5,7 +5,7 @@
 import { type ChildProcess, spawn } from 'node:child_process';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
-import { AgentClient, type AgentClientOptions, connectUnix } from './client.ts';
+import { type AgentClient, type AgentClientOptions, connectUnix } from './client.ts';
 
 export const AGENT_SCRIPT = join(dirname(dirname(dirname(fileURLToPath(import.meta.url)))), 'guest-agent', 'forkling_agent.py');
 /** Debian's interpreter (has python3-msgpack); override with FORKLING_PYTHON. */

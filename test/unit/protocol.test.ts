@@ -253,6 +253,7 @@ test('client: err frames reject with code and details; hostile responses are ref
   a.stream.push(lengthPrefix(3));
   a.stream.push(fromHex('c1c1c1'));
   a.reply({ t: 'res', id: 99, x: 1 });
+  a.reply({ t: 'err', id: 3, code: 'cancelled', message: 'late answer to a request we cancelled: expected, not stray' });
   a.reply({ t: 'err', id: null, code: 'bad_frame', message: 'm' });
   await a.tick();
   assert.equal(
