@@ -83,6 +83,11 @@ export class SandboxManager {
     return this.entries.size;
   }
 
+  /** Sandboxes asked of the engine and not ready yet. */
+  get starting(): number {
+    return this.pending;
+  }
+
   get isDraining(): boolean {
     return this.draining;
   }

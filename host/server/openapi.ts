@@ -39,7 +39,9 @@ const STD_ERRORS = {
   '401': errorResponse('Missing or wrong bearer token.'),
   '404': errorResponse('No such sandbox (or file, process).'),
   '410': errorResponse('The sandbox has ended (timeout, kill, crash); the message says why.'),
+  '405': errorResponse('Method not allowed on this path.'),
   '413': errorResponse('Body too large.'),
+  '429': errorResponse('Too many open requests.'),
   '500': errorResponse('Internal error (logged by the server).'),
   '503': errorResponse('The server cannot take more sandboxes now, or is shutting down.'),
 };
@@ -265,7 +267,8 @@ export function buildOpenApi(version = '1'): Json {
       title: 'forkling',
       version,
       description:
-        'REST API of `forkling serve`. The same operations are on the WebSocket /v1/ws (msgpack frames, PROTOCOL.md). ' +
+        'REST API of `forkling serve`. The same operations are on the WebSocket /v1/ws (msgpack frames, one per binary message; ' +
+        'see protocol/PROTOCOL.md, section "Server operations"). ' +
         'Authenticate with `Authorization: Bearer <token>` when the server has a token file.',
     },
     components: {

@@ -64,7 +64,10 @@ export class ForklingServer {
     });
 
     const m = ctx.metrics;
-    m.gauge('forkling_sandboxes', 'Live sandboxes by state.', () => [[{ state: 'running' }, ctx.manager.size]]);
+    m.gauge('forkling_sandboxes', 'Sandboxes by state (starting: asked of the engine, not ready yet).', () => [
+      [{ state: 'running' }, ctx.manager.size],
+      [{ state: 'starting' }, ctx.manager.starting],
+    ]);
     m.gauge('forkling_ws_connections', 'Open WebSocket sessions.', () => [[{}, this.sessions.size]]);
     m.gauge('forkling_requests_in_flight', 'Requests open right now, by transport.', () => [
       [{ transport: 'ws' }, this.wsInFlight()],
