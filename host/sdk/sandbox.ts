@@ -3,7 +3,7 @@
 import { MAX_CHUNK } from '../../protocol/schema.ts';
 import type { SandboxInfo } from '../../protocol/server-ops.ts';
 import { Connection, type ConnectionOptions, type OpenRequest } from './connection.ts';
-import { ForklingError, SandboxError, TimeoutError } from './errors.ts';
+import { ConnectionError, ForklingError, NotFoundError, SandboxError, TimeoutError } from './errors.ts';
 
 export type { SandboxInfo };
 
@@ -253,9 +253,18 @@ export class CommandHandle {
     result.catch(() => {}); // observed through wait()
   }
 
-  /** Resolves when the command exits. */
-  wait(): Promise<CommandResult> {
-    return this.result;
+  /**
+   * Resolves when the command exits. When the stream of its output was lost
+   * (this client's connection dropped), waits through proc.wait instead; the
+   * output is then the tail the sandbox kept.
+   */
+  async wait(): Promise<CommandResult> {
+    try {
+      return await this.result;
+    } catch (e) {
+      if (!(e instanceof ConnectionError) && !(e instanceof ForklingError && e.code === 'cancelled')) throw e;
+      return waitByProcId(this.sb, this.procId);
+    }
   }
 
   async kill(): Promise<boolean> {
@@ -274,6 +283,22 @@ export class CommandHandle {
   async closeStdin(): Promise<void> {
     await this.sb.call('proc.closeStdin', { procId: this.procId });
   }
+}
+
+const decoder = new TextDecoder();
+
+async function waitByProcId(sb: Sandbox, procId: string): Promise<CommandResult> {
+  const t0 = Date.now();
+  const r = await sb.call('proc.wait', { procId });
+  return {
+    exitCode: (r.exitCode as number | null) ?? null,
+    signal: (r.signal as string | null) ?? null,
+    stdout: decoder.decode(r.stdoutTail as Uint8Array),
+    stderr: decoder.decode(r.stderrTail as Uint8Array),
+    procId,
+    pid: Number(r.pid),
+    durationMs: Date.now() - t0,
+  };
 }
 
 export class Commands {
@@ -335,6 +360,17 @@ export class Commands {
       return new CommandHandle(this.sb, r.procId, r.pid, result);
     }
     return new CommandHandle(this.sb, s.procId, s.pid, result);
+  }
+
+  /**
+   * A handle for a process started earlier (e.g. by another client, or before
+   * a reconnect); its wait() gives the exit status and the kept output tail.
+   */
+  async connect(procId: string): Promise<CommandHandle> {
+    const procs = (await this.sb.call('proc.list')).procs as { procId: string; pid: number }[];
+    const p = procs.find((x) => x.procId === procId);
+    if (!p) throw new NotFoundError(`no process ${procId} in sandbox ${this.sb.id}`, 'no_such_process');
+    return new CommandHandle(this.sb, procId, p.pid, waitByProcId(this.sb, procId));
   }
 
   /** Processes started by exec in the sandbox (running and recently finished). */

@@ -200,6 +200,17 @@ test('reconnect to a live sandbox from a new connection', async () => {
   assert.is((await sb.eval('kept')).value, 'state survives the client');
 });
 
+test('a background command outlives a dropped connection; wait() still gives its exit', async () => {
+  const h = await sb.commands.run('echo begun; sleep 0.4; echo done; exit 5', { background: true });
+  Sandbox.disconnectAll(); // the exec stream is lost with the connection
+  const r = await h.wait();
+  assert.is(r.exitCode, 5);
+  assert.match(r.stdout, 'done');
+  const again = await sb.commands.connect(h.procId);
+  assert.is((await again.wait()).exitCode, 5);
+  await expectError(NotFoundError, sb.commands.connect('p-none'));
+});
+
 test('fork and branch return usable sandboxes; the source goes on', async () => {
   const kids = await Sandbox.fork('default', 3, { ...opts, timeoutMs: 60_000 });
   assert.is(kids.length, 3);
