@@ -36,6 +36,7 @@ export interface ServeOptions {
   maxSandboxes?: number;
   defaultTimeoutMs?: number;
   maxInFlight?: number;
+  tls?: { certFile: string; keyFile: string };
   extraArgs?: string[];
 }
 
@@ -66,6 +67,7 @@ async function serveCli(opts: ServeOptions): Promise<Served> {
   if (opts.maxSandboxes) args.push('--max-sandboxes', String(opts.maxSandboxes));
   if (opts.defaultTimeoutMs) args.push('--default-timeout-ms', String(opts.defaultTimeoutMs));
   if (opts.maxInFlight) args.push('--max-in-flight', String(opts.maxInFlight));
+  if (opts.tls) args.push('--tls-cert', opts.tls.certFile, '--tls-key', opts.tls.keyFile);
   args.push(...(opts.extraArgs ?? []));
   // Until the lead registers `serve` in host/cli/main.ts, call the command module directly.
   const registered = readFileSync(join(ROOT, 'host', 'cli', 'main.ts'), 'utf8').includes('serveCommand');
@@ -127,7 +129,7 @@ async function serveInProcess(opts: ServeOptions): Promise<Served> {
     log: (l) => log.push(l),
   });
   const auth = opts.token ? await TokenAuth.fromFile(tokenFile(opts.token)) : null;
-  const server = new ForklingServer({ ctx, auth });
+  const server = new ForklingServer({ ctx, auth, ...(opts.tls ? { tls: opts.tls } : {}) });
   const { url } = await server.listen('127.0.0.1', 0);
   return {
     url,
