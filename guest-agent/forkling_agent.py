@@ -25,6 +25,7 @@ import json
 import linecache
 import os
 import queue
+import random  # imported up front: restore must stay under 1 ms
 import selectors
 import shutil
 import signal
@@ -1494,7 +1495,6 @@ def op_restore(agent, conn, f):
     # Reseed user-space generators: they were copied from the template with the
     # rest of memory and would repeat in every child otherwise.
     seed = os.urandom(32) + entropy
-    import random
     random.seed(seed)
     res['reseeded'].append('random')
     np_random = sys.modules.get('numpy.random')

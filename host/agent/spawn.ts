@@ -16,6 +16,8 @@ export interface LocalAgentOptions {
   /** Extra agent options, e.g. ['--max-memory', String(2 ** 31)]. */
   args?: string[];
   env?: NodeJS.ProcessEnv;
+  /** A command that runs the agent, e.g. ['unshare', '--pid', '--fork', '--kill-child']. */
+  wrapper?: string[];
   /** How long to wait for the ready line (default 10 s). */
   readyTimeoutMs?: number;
 }
@@ -33,7 +35,8 @@ export interface LocalAgent {
 }
 
 export function startLocalAgent(opts: LocalAgentOptions): Promise<LocalAgent> {
-  const child = spawn(AGENT_PYTHON, [AGENT_SCRIPT, '--unix', opts.socketPath, ...(opts.args ?? [])], {
+  const argv = [...(opts.wrapper ?? []), AGENT_PYTHON, AGENT_SCRIPT, '--unix', opts.socketPath, ...(opts.args ?? [])];
+  const child = spawn(argv[0]!, argv.slice(1), {
     env: opts.env ?? process.env,
     stdio: ['ignore', 'pipe', 'pipe'],
   });
@@ -52,7 +55,7 @@ export function startLocalAgent(opts: LocalAgentOptions): Promise<LocalAgent> {
     }, opts.readyTimeoutMs ?? 10000);
     child.once('error', (e) => {
       clearTimeout(timer);
-      reject(new Error(`cannot start ${AGENT_PYTHON}: ${e.message}`));
+      reject(new Error(`cannot start ${argv[0]}: ${e.message}`));
     });
     void exited.then((code) => {
       clearTimeout(timer);

@@ -1,0 +1,90 @@
+// The agent as PID 1, for real, in new PID, mount, UTS and network namespaces
+// (unshare; needs root): mounts, hostname, lo up, orphan reaping, restore of
+// hostname and entropy, and shutdown. The clock is left alone (it is not
+// namespaced: setting it would set the host's).
+import { randomBytes } from 'node:crypto';
+import { mkdtempSync, rmSync } from 'node:fs';
+import { hostname } from 'node:os';
+import { join } from 'node:path';
+import { test } from 'uvu';
+import * as assert from 'uvu/assert';
+import type { AgentClient } from '../../host/agent/client.ts';
+import { type LocalAgent, startLocalAgent } from '../../host/agent/spawn.ts';
+
+// not under /tmp or /run: the agent mounts fresh tmpfs there in its namespace
+const dir = mkdtempSync('/var/tmp/forkling-pid1-');
+let agent: LocalAgent;
+let c: AgentClient;
+const text = (b: Uint8Array) => Buffer.from(b).toString('utf8');
+
+test.before(async () => {
+  if (process.getuid?.() !== 0) throw new Error('agent-pid1.test.ts needs root (unshare of PID/mount/UTS/net namespaces)');
+  agent = await startLocalAgent({
+    socketPath: join(dir, 'agent.sock'),
+    wrapper: ['unshare', '--pid', '--fork', '--kill-child', '--mount', '--propagation', 'private', '--uts', '--net'],
+    args: ['--system-ops', 'hostname,entropy'],
+  });
+  c = await agent.connect();
+});
+
+test.after(async () => {
+  c?.close();
+  await agent?.stop();
+  rmSync(dir, { recursive: true, force: true });
+});
+
+test('runs as PID 1', async () => {
+  assert.is((await c.hello()).pid, 1);
+  assert.is((await c.info()).pid1, true);
+});
+
+test('mounts /proc, /sys, /dev, /dev/pts, /dev/shm, /tmp, /run', async () => {
+  const mounts = text((await c.exec(['cat', '/proc/mounts'])).stdout)
+    .split('\n')
+    .map((l) => l.split(' ')[1]);
+  for (const m of ['/proc', '/sys', '/dev', '/dev/pts', '/dev/shm', '/tmp', '/run']) assert.ok(mounts.includes(m), `${m} not mounted`);
+  // its own /proc: it sees its namespace only
+  const ps = await c.eval("import os\nsorted(int(p) for p in os.listdir('/proc') if p.isdigit())[0]");
+  assert.is(ps.value, 1);
+});
+
+test('brings up lo: a TCP connection to 127.0.0.1 works in the new network namespace', async () => {
+  const r = await c.eval(
+    "import socket\ns = socket.socket()\ns.bind(('127.0.0.1', 0))\ns.listen()\nx = socket.create_connection(s.getsockname(), timeout=2)\nx.close(); s.close()\n'connected'",
+  );
+  assert.is(r.value, 'connected', JSON.stringify(r.exception));
+});
+
+test('reaps orphans, and leaves the exit status of children that code waits for', async () => {
+  const r = await c.exec(['sh', '-c', 'sleep 0.3 & echo $!']);
+  const orphan = Number(text(r.stdout).trim());
+  assert.ok(orphan > 1);
+  const gone = await c.eval(
+    `import os, time\nend = time.time() + 5\nwhile os.path.exists('/proc/${orphan}') and time.time() < end:\n    time.sleep(0.05)\nnot os.path.exists('/proc/${orphan}')`,
+  );
+  assert.is(gone.value, true, 'the orphan was not reaped');
+  const rc = await c.eval("import subprocess, time\np = subprocess.Popen(['sh', '-c', 'sleep 1.2; exit 7'])\np.wait()");
+  assert.is(rc.value, 7, 'a child waited for by eval code keeps its exit status');
+});
+
+test('restore sets the hostname (in its UTS namespace) and adds entropy', async () => {
+  const hostBefore = hostname();
+  const r = await c.restore({ hostname: 'child-7', entropy: randomBytes(32), sandboxId: 'sb-7' });
+  assert.equal(r.hostname, { set: true });
+  assert.equal(r.entropy, { added: true, bytes: 32 });
+  assert.is(r.clock.set, false);
+  assert.is(text((await c.exec(['hostname'])).stdout).trim(), 'child-7');
+  assert.is((await c.info()).hostname, 'child-7');
+  assert.is(hostname(), hostBefore, 'the host kept its name');
+});
+
+test('shutdown: PID 1 stops everything and powers off (ends the namespace)', async () => {
+  const sleeper = await c.spawn(['sleep', '60']);
+  assert.ok(sleeper.pid > 1);
+  assert.equal(await c.shutdown(), { done: true });
+  const code = await Promise.race([agent.exited, new Promise((r) => setTimeout(() => r('still running'), 8000))]);
+  assert.is.not(code, 'still running');
+  await c.closed;
+});
+
+test.run();
