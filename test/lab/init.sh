@@ -25,7 +25,7 @@ for m in $(cat /modules/order); do
 	insmod "/modules/$m.ko" || fail "insmod $m"
 done
 [ -c /dev/kvm ] || fail "/dev/kvm did not appear after loading the kvm modules"
-echo "LAB-STAGE kvm-ready $(dmesg | grep -ci 'nested paging enabled') $(cut -d' ' -f1 /proc/uptime)"
+echo "LAB-STAGE kvm-ready npt=$(dmesg | grep -ci "nested paging enabled") $(cut -d" " -f1 /proc/uptime)"
 
 mkdir -p /host
 # cache=loose: the share is read-only and the host leaves it alone during the run.

@@ -6,7 +6,8 @@
 //
 // Settings (environment):
 //   FORKLING_LAB_TIMEOUT_S  overall limit for one lab run, seconds (default 1200)
-//   FORKLING_LAB_MEM_MB     the lab machine's RAM (default 4096; nested guests need 1-2 GiB)
+//   FORKLING_LAB_MEM_MB     the lab machine's RAM (default 6144: nested guests take 1-2 GiB, the
+//                           store overlay and /tmp live in RAM; QEMU only backs what is touched)
 //   FORKLING_LAB_CPUS       its vCPUs (default 2)
 //   FORKLING_LAB_CPU        QEMU CPU model (default EPYC,+svm,+npt)
 //   FORKLING_LAB_BUSYBOX    static busybox to use (default /bin/busybox)
@@ -15,7 +16,7 @@
 // Writes <repo>/.lab/last-summary.json = {startedAt, passed, failed, failures}
 // and exits 0 only if every inner test passed.
 import { type ChildProcess, spawn } from 'node:child_process';
-import { existsSync, mkdirSync } from 'node:fs';
+import { existsSync, mkdirSync, realpathSync } from 'node:fs';
 import { dirname, join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { UserError } from '../../host/errors.ts';
@@ -70,7 +71,7 @@ for (const sig of ['SIGINT', 'SIGTERM', 'SIGHUP'] as const) {
 
 async function main(startedAt: number): Promise<Summary> {
   const timeoutS = envInt('FORKLING_LAB_TIMEOUT_S', 1200, 30);
-  const memMb = envInt('FORKLING_LAB_MEM_MB', 4096, 1024);
+  const memMb = envInt('FORKLING_LAB_MEM_MB', 6144, 1024);
   const cpus = envInt('FORKLING_LAB_CPUS', 2, 1);
   const cpu = process.env.FORKLING_LAB_CPU || 'EPYC,+svm,+npt';
   const fail = (why: string): Summary => ({ startedAt, passed: 0, failed: 1, failures: [why] });
@@ -85,9 +86,11 @@ async function main(startedAt: number): Promise<Summary> {
     `kernel ${kernel.release} (${kernel.version}); initramfs ${initramfs.cached ? 'cached' : 'built'}: ${initramfs.path} ` +
       `(modules: ${initramfs.modules.join(' ')})`,
   );
-  const store = resolve(storeRoot());
+  // Symlinks would resolve against the lab's own root, not /host: pass real paths.
+  const real = (p: string) => (existsSync(p) ? realpathSync(p) : p);
+  const store = real(resolve(storeRoot()));
   const initrd = runInitrd(LAB_DIR, initramfs.path, {
-    LAB_REPO: REPO,
+    LAB_REPO: real(REPO),
     LAB_NODE: process.execPath,
     LAB_PATH: `${dirname(process.execPath)}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin`,
     LAB_STORE: store,
@@ -121,12 +124,16 @@ async function main(startedAt: number): Promise<Summary> {
   const child = spawn(QEMU, args, { stdio: ['pipe', 'pipe', 'pipe'] });
   qemu = child;
   child.stdout?.setEncoding('utf8').on('data', (d: string) => con.feed(d));
+  let errPartial = '';
+  const errLine = (l: string) => {
+    const f = /TCG doesn't support requested feature: \S*?([\w-]+) \[bit/.exec(l);
+    if (f?.[1]) missing.add(f[1]);
+    else if (l.trim()) say(`qemu: ${l}`);
+  };
   child.stderr?.setEncoding('utf8').on('data', (d: string) => {
-    for (const l of d.split('\n').filter(Boolean)) {
-      const f = /TCG doesn't support requested feature: \S+ (\S+)/.exec(l);
-      if (f?.[1]) missing.add(f[1]);
-      else say(`qemu: ${l}`);
-    }
+    const lines = (errPartial + d).split('\n');
+    errPartial = lines.pop() ?? '';
+    for (const l of lines) errLine(l);
   });
   let timedOut = false;
   const timer = setTimeout(() => {
@@ -140,6 +147,8 @@ async function main(startedAt: number): Promise<Summary> {
   });
   clearTimeout(timer);
   con.flush();
+  errLine(errPartial);
+  reportMissing();
   if (exit.error) {
     throw new UserError(`cannot run ${QEMU}: ${exit.error.code ?? exit.error.message}`, 'install it with: apt-get install qemu-system-x86');
   }
