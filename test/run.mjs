@@ -87,8 +87,10 @@ function runFile(file, timeoutMs) {
     }, timeoutMs);
     p.on('close', (code) => {
       clearTimeout(timer);
-      const total = Number(/Total:\s+(\d+)/.exec(out)?.[1] ?? 0);
-      const ok = Number(/Passed:\s+(\d+)/.exec(out)?.[1] ?? 0);
+      // uvu's summary lines; the last ones win (a test may print e.g. /proc/meminfo).
+      const last = (re) => Number([...out.matchAll(re)].at(-1)?.[1] ?? 0);
+      const total = last(/^\s*Total:\s+(\d+)\s*$/gm);
+      const ok = last(/^\s*Passed:\s+(\d+)\s*$/gm);
       console.log(`--- ${file} (${((Date.now() - started) / 1000).toFixed(1)}s)`);
       process.stdout.write(out.replace(/\s+$/, '') + '\n');
       if (total === 0) {
