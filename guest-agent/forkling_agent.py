@@ -59,6 +59,7 @@ EVAL_FLUSH_BYTES = 32 << 10  # eval output flushed when this much is buffered...
 EVAL_FLUSH_S = 0.02  # ...or after this long
 EVAL_BUFFER_MAX = 8 << 20  # a print() waits while this much is unsent
 REPR_MAX = 256 << 10
+SEND_TIMEOUT_S = 60  # a send blocked this long (client not reading) closes the connection
 VALUE_MAX_ITEMS = 100000
 RNDADDENTROPY = 0x40085203  # _IOW('R', 0x03, int[2])
 
@@ -194,6 +195,10 @@ class Connection:
         self.open_lock = threading.Lock()
         self.hello = False
         self.closed = False
+        try:  # a client that stops reading must not block the eval thread forever
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack('ll', SEND_TIMEOUT_S, 0))
+        except OSError:
+            pass
 
     # -- sending
     def send(self, frame):

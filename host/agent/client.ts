@@ -433,10 +433,12 @@ export class AgentClient {
           if (ev.ev === 'started') {
             started = true;
             const procId = ev.procId;
+            const finished = done.then((res) => ({ ...res, stdout: concat(out), stderr: concat(err) }));
+            finished.catch(() => {}); // a process nobody waits for must not be an unhandled rejection
             resolve({
               procId,
               pid: ev.pid,
-              done: done.then((res) => ({ ...res, stdout: concat(out), stderr: concat(err) })),
+              done: finished,
               write: (data) => this.request('proc.write', { procId, data: bytes(data) }),
               closeStdin: () => this.request('proc.closeStdin', { procId }),
               signal: (signal) => this.request('proc.signal', { procId, signal }),

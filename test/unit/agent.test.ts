@@ -4,7 +4,7 @@
 // disconnects. The large-file round trip is 256 MiB (about 5 s here;
 // FORKLING_TEST_FILE_MB=N to change it).
 import { createHash, randomBytes } from 'node:crypto';
-import { existsSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdtempSync, readdirSync, readFileSync, readlinkSync, rmSync, writeFileSync } from 'node:fs';
 import { connect } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -479,7 +479,19 @@ test('oversized frames are skipped with frame_too_large; a frame cut short by a 
   assert.ok((await c.ping()).time > 0);
 });
 
-test('disconnect mid-stream: foreground process killed, eval interrupted, file stream stopped; agent lives on', async () => {
+/** Paths the agent process holds open (from /proc: it runs on this host). */
+function agentOpenFiles(): string[] {
+  const fdDir = `/proc/${agent.pid}/fd`;
+  const out: string[] = [];
+  for (const fd of readdirSync(fdDir)) {
+    try {
+      out.push(readlinkSync(join(fdDir, fd)));
+    } catch {}
+  }
+  return out;
+}
+
+test('disconnect mid-stream: foreground process killed, eval interrupted, file streams closed; background lives', async () => {
   const cl = await agent.connect();
   let pid = 0;
   const p = cl.request('exec', { shell: 'while true; do echo y; sleep 0.01; done' }, {
@@ -489,19 +501,35 @@ test('disconnect mid-stream: foreground process killed, eval interrupted, file s
   });
   p.catch(() => {});
   await until('process started', () => pid > 0);
+  const bg = await cl.spawn(['sleep', '30']);
   const ev = cl.eval('import time\ntime.sleep(30)');
   ev.catch(() => {});
-  writeFileSync(join(dir, 'mid.bin'), Buffer.alloc(32 * 1024 * 1024));
-  const rd = cl.readFileChunks(join(dir, 'mid.bin'), () => {});
+  const mid = join(dir, 'mid.bin');
+  writeFileSync(mid, Buffer.alloc(32 * 1024 * 1024));
+  const rd = cl.readFileChunks(mid, () => {});
   rd.catch(() => {});
-  await sleep(100);
+  const partial = join(dir, 'partial.bin');
+  const wr = cl.writeFile(
+    partial,
+    (async function* () {
+      yield new Uint8Array(1024);
+      await new Promise(() => {}); // the client stalls mid-stream, then disconnects
+    })(),
+  );
+  wr.catch(() => {});
+  await until('both files open in the agent', () => agentOpenFiles().filter((f) => f === mid || f === partial).length === 2);
   cl.close();
   await until('foreground process killed', () => !alive(pid));
+  await until('file streams closed', () => !agentOpenFiles().some((f) => f === mid || f === partial));
   const t0 = ms();
   assert.is((await c.eval('5')).value, 5);
   assert.ok(ms() - t0 < 2500, 'the abandoned eval was interrupted');
-  const i = await c.info();
-  assert.is(i.connections, 1);
+  assert.ok(alive(bg.pid), 'a background process outlives its connection');
+  const w = await c.procWait(bg.procId, 50);
+  assert.is(w.running, true);
+  await c.procKill(bg.procId);
+  assert.is((await c.procWait(bg.procId)).signal, 'SIGKILL');
+  await until('connection gone', async () => (await c.info()).connections === 1);
 });
 
 test('many concurrent connections', async () => {
