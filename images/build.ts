@@ -4,12 +4,13 @@
 // the store atomically (a failed build leaves no half image and the old one intact).
 import { spawn } from 'node:child_process';
 import { createHash } from 'node:crypto';
-import { chmodSync, copyFileSync, createReadStream, createWriteStream, existsSync, mkdirSync, readFileSync, readlinkSync, writeFileSync } from 'node:fs';
-import { join, resolve } from 'node:path';
+import { chmodSync, copyFileSync, createReadStream, createWriteStream, existsSync, mkdirSync, readdirSync, readFileSync, readlinkSync, rmSync, writeFileSync } from 'node:fs';
+import { basename, dirname, join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { createGzip } from 'node:zlib';
 import { checkName, UserError } from '../host/errors.ts';
 import { buildDirAtomic, storePath } from '../host/store.ts';
+import { runTool } from '../host/util/exec.ts';
 import { aptContext, checkPackages, listsDate, PACKAGE_RE, refreshLists } from './apt.ts';
 import { cacheRoot } from './cache.ts';
 import { writeCpio } from './cpio.ts';
@@ -56,14 +57,31 @@ export const sha256File = (path: string): Promise<FileDigest> =>
       .on('end', () => res({ size, sha256: h.digest('hex') }));
   });
 
-/** The agent file and the version it declares (`__version__ = "x"`). */
-export function readAgent(path: string): { text: Buffer; version: string | null; sha256: string } {
+export interface AgentFiles {
+  text: Buffer;
+  /** from `__version__ = "x"` or `AGENT_VERSION = "x"` */
+  version: string | null;
+  sha256: string;
+  /** the other guest-agent/*.py modules (forkling_zygote.py ...): name -> contents */
+  helpers: Map<string, Buffer>;
+}
+
+/** Where the agent's helper modules go: on every python3's path, wherever /init is run from. */
+export const AGENT_HELPERS_DIR = 'usr/lib/python3/dist-packages';
+
+/** The agent file, the version it declares and its sibling modules. */
+export function readAgent(path: string): AgentFiles {
   if (!existsSync(path)) {
     throw new UserError(`the guest agent ${path} does not exist`, 'the image needs guest-agent/forkling_agent.py from the forkling source tree');
   }
   const text = readFileSync(path);
-  const m = /^__version__\s*=\s*['"]([^'"]+)['"]/m.exec(text.toString('utf8'));
-  return { text, version: m?.[1] ?? null, sha256: createHash('sha256').update(text).digest('hex') };
+  const m = /^(?:__version__|AGENT_VERSION)\s*=\s*['"]([^'"]+)['"]/m.exec(text.toString('utf8'));
+  const helpers = new Map<string, Buffer>();
+  const dir = dirname(path);
+  for (const f of readdirSync(dir).sort()) {
+    if (f.endsWith('.py') && f !== basename(path) && !f.startsWith('test_')) helpers.set(f, readFileSync(join(dir, f)));
+  }
+  return { text, version: m?.[1] ?? null, sha256: createHash('sha256').update(text).digest('hex'), helpers };
 }
 
 interface KernelChoice {
@@ -100,7 +118,7 @@ function chooseKernel(path: string | undefined): KernelChoice {
 }
 
 /** Packs `root` into `out` (compressed newc cpio). */
-async function pack(root: string, out: string, compression: 'zstd' | 'gzip'): Promise<{ cpioSha256: string; cpioBytes: number; entries: number; dataBytes: number }> {
+export async function pack(root: string, out: string, compression: 'zstd' | 'gzip'): Promise<{ cpioSha256: string; cpioBytes: number; entries: number; dataBytes: number }> {
   const file = createWriteStream(out);
   const fileDone = new Promise<void>((res, rej) => {
     file.on('finish', () => res());
@@ -154,6 +172,31 @@ function modulesBase(root: string, release: string): string {
   return `${merged ? 'usr/lib' : 'lib'}/modules/${release}`;
 }
 
+/**
+ * Removes what interrupted builds left (we hold the build lock, so no build is
+ * running): staging and old directories. A killed mmdebstrap can leave /proc,
+ * /sys or /dev/pts mounted inside its tree: those are unmounted first, never
+ * recursed into.
+ */
+function removeStale(dir: string): void {
+  if (!existsSync(dir)) return;
+  for (const d of readdirSync(dir)) {
+    if (!/^\.(staging|old|rm)-/.test(d)) continue;
+    const p = join(dir, d);
+    const mounts = readFileSync('/proc/self/mounts', 'utf8')
+      .split('\n')
+      .map((l) => l.split(' ')[1]?.replace(/\\040/g, ' ') ?? '')
+      .filter((m) => m === p || m.startsWith(`${p}/`))
+      .sort((a, b) => b.length - a.length);
+    try {
+      for (const m of mounts) runTool('umount', ['-l', m]);
+      rmSync(p, { recursive: true, force: true });
+    } catch {
+      // Left for a later build; it is not an image (its name starts with a dot).
+    }
+  }
+}
+
 const isNoSpace = (e: unknown): boolean => (e as NodeJS.ErrnoException)?.code === 'ENOSPC';
 
 /** Checks everything that needs no network or store change; throws a UserError on bad input. */
@@ -166,6 +209,10 @@ function checkInput(o: BuildOptions): { extras: string[]; agent: ReturnType<type
     }
   }
   if (o.kernel) inspectKernelFile(resolve(o.kernel));
+  if (process.getuid?.() !== 0) {
+    // mmdebstrap's unshare mode would work without root but leaves a tree owned by subordinate ids.
+    throw new UserError('building an image needs root: dpkg installs the packages into a chroot', 'run the build as root (sudo forkling image build ...)');
+  }
   return { extras, agent: readAgent(o.agentPath ?? DEFAULT_AGENT) };
 }
 
@@ -181,6 +228,7 @@ export async function buildImage(o: BuildOptions): Promise<ImageManifest> {
   return withLock(
     join(imagesDir(), '.build.lock'),
     async () => {
+      removeStale(imagesDir());
       const existing = join(imageDir(o.name), 'manifest.json');
       if (o.ifMissing && existsSync(existing)) return parseManifest(readFileSync(existing, 'utf8'), existing);
       progress('resolve', 'refreshing package lists');
@@ -209,6 +257,8 @@ export async function buildImage(o: BuildOptions): Promise<ImageManifest> {
           prune(root);
           writeFileSync(join(root, 'init'), agent.text);
           chmodSync(join(root, 'init'), 0o755);
+          mkdirSync(join(root, AGENT_HELPERS_DIR), { recursive: true });
+          for (const [f, data] of agent.helpers) writeFileSync(join(root, AGENT_HELPERS_DIR, f), data, { mode: 0o644 });
           progress('modules', kernel.modulesDir ? `for ${kernel.release}` : 'none: --kernel must build its drivers in');
           let sel: ModuleSelection = { modules: [], builtin: [] };
           if (kernel.modulesDir && kernel.release) {
@@ -245,7 +295,12 @@ export async function buildImage(o: BuildOptions): Promise<ImageManifest> {
             builtinModules: sel.builtin,
             ...(kernel.modulesDir ? {} : { modulesNote: 'kernel given with --kernel: no modules copied; it must build in virtio, virtio-pci/mmio, vsock and virtio-rng' }),
             cmdline: ['rdinit=/init', `forkling.port=${AGENT_VSOCK_PORT}`],
-            agent: { path: '/init', version: agent.version, sha256: agent.sha256 },
+            agent: {
+              path: '/init',
+              version: agent.version,
+              sha256: agent.sha256,
+              helpers: Object.fromEntries([...agent.helpers].map(([f, d]) => [`/${AGENT_HELPERS_DIR}/${f}`, createHash('sha256').update(d).digest('hex')])),
+            },
             initramfs: { file: initramfsFile, compression: kernel.compression, cpioSha256: packed.cpioSha256, cpioBytes: packed.cpioBytes, entries: packed.entries },
             rootfs: { dir: 'rootfs', bytes: packed.dataBytes, entries: packed.entries },
             sizes: { compressed: files[initramfsFile]!.size, unpacked: packed.dataBytes, kernel: files.vmlinuz!.size },

@@ -45,7 +45,8 @@ export interface ImageManifest {
   modulesNote?: string;
   /** what the kernel command line must contain for this image; the VMM adds its own (console, ...) */
   cmdline: string[];
-  agent: { path: '/init'; version: string | null; sha256: string };
+  /** the agent (/init) and its helper modules (absolute guest path -> sha256) */
+  agent: { path: '/init'; version: string | null; sha256: string; helpers: Record<string, string> };
   initramfs: {
     file: string;
     compression: 'zstd' | 'gzip';
