@@ -505,6 +505,8 @@ class CaptureStream:
                 self._fallback.flush()
             except Exception:
                 pass
+        else:
+            self._agent.flush_wakeup.set()  # print(..., flush=True): send soon
 
     def isatty(self):
         return False
@@ -801,11 +803,12 @@ class Agent:
         self.cells = []
         self.stopping = False
         self.random_fd = None
+        self.capture = (sys.stdout, sys.stderr)  # CaptureStreams once install_io() ran
 
     # -- start
     def install_io(self):
-        sys.stdout = CaptureStream(self, 'stdout', sys.__stdout__)
-        sys.stderr = CaptureStream(self, 'stderr', sys.__stderr__)
+        self.capture = (CaptureStream(self, 'stdout', sys.__stdout__), CaptureStream(self, 'stderr', sys.__stderr__))
+        sys.stdout, sys.stderr = self.capture
         try:
             sys.stdin = open(os.devnull)  # input() in an eval gets EOF, never blocks on the console
         except OSError:
@@ -975,6 +978,8 @@ class Agent:
         sink.close()
         if signal.getsignal(signal.SIGINT) != self._on_sigint:
             signal.signal(signal.SIGINT, self._on_sigint)  # the eval replaced it; timeouts need it
+        if sys.stdout is not self.capture[0] or sys.stderr is not self.capture[1]:
+            sys.stdout, sys.stderr = self.capture  # the eval left them redirected; later evals need capture
         res = {'t': 'res', 'id': job.id, 'timedOut': job.timed_out, 'durationMs': duration}
         try:
             if exc is not None:

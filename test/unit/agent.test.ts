@@ -176,6 +176,13 @@ test('eval: a timeout interrupts (KeyboardInterrupt) and the interpreter stays u
   assert.is((await c.eval('n')).value, 2);
 });
 
+test('eval: capture survives code that redirects sys.stdout and leaves it so', async () => {
+  const r = await c.eval('import sys, io\nsys.stdout = io.StringIO()\nprint("lost")');
+  assert.is(r.stdout, '');
+  const after = await c.eval('print("seen")');
+  assert.is(after.stdout, 'seen\n');
+});
+
 test('eval: SystemExit and _thread.exit() do not end the agent', async () => {
   assert.is((await c.eval('import sys\nsys.exit(3)')).exception?.type, 'SystemExit');
   assert.is((await c.eval('import _thread\n_thread.exit()')).exception?.type, 'SystemExit');
