@@ -86,6 +86,10 @@ class VirtioTestDevice : public Napi::ObjectWrap<VirtioTestDevice> {
                            InstanceMethod<&VirtioTestDevice::Sync>("sync"),
                            InstanceMethod<&VirtioTestDevice::Failure>("failure"),
                            InstanceMethod<&VirtioTestDevice::Stats>("stats"),
+                           InstanceMethod<&VirtioTestDevice::Pause>("pause"),
+                           InstanceMethod<&VirtioTestDevice::Resume>("resume"),
+                           InstanceMethod<&VirtioTestDevice::SaveState>("saveState"),
+                           InstanceMethod<&VirtioTestDevice::RestoreState>("restoreState"),
                            InstanceMethod<&VirtioTestDevice::Close>("close"),
                        });
   }
@@ -305,6 +309,72 @@ class VirtioTestDevice : public Napi::ObjectWrap<VirtioTestDevice> {
     o.Set("droppedControl", Napi::Number::New(env, static_cast<double>(s.dropped_control)));
     o.Set("connections", Napi::Number::New(env, static_cast<double>(s.connections)));
     return o;
+  }
+  Napi::Value Pause(const Napi::CallbackInfo& info) {
+    Vsock(info.Env())->Pause();
+    return info.Env().Undefined();
+  }
+  Napi::Value Resume(const Napi::CallbackInfo& info) {
+    Vsock(info.Env())->Resume();
+    return info.Env().Undefined();
+  }
+  // The snapshot state as a plain object (64-bit values as bigint).
+  Napi::Value SaveState(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    VirtioVsock::State st = Vsock(env)->SaveState();
+    Napi::Object o = Napi::Object::New(env);
+    o.Set("guestCid", Napi::BigInt::New(env, st.guest_cid));
+    o.Set("active", Napi::Boolean::New(env, st.active));
+    o.Set("driverFeatures", Napi::BigInt::New(env, st.driver_features));
+    o.Set("nextHostPort", Napi::Number::New(env, st.next_host_port));
+    Napi::Array qs = Napi::Array::New(env, 3);
+    for (uint32_t i = 0; i < 3; i++) {
+      const vmm::Virtqueue::State& q = st.queues[i];
+      Napi::Object qo = Napi::Object::New(env);
+      qo.Set("size", Napi::Number::New(env, q.config.size));
+      qo.Set("ready", Napi::Boolean::New(env, q.config.ready));
+      qo.Set("desc", Napi::BigInt::New(env, q.config.desc));
+      qo.Set("driver", Napi::BigInt::New(env, q.config.driver));
+      qo.Set("device", Napi::BigInt::New(env, q.config.device));
+      qo.Set("lastAvail", Napi::Number::New(env, q.last_avail));
+      qo.Set("nextUsed", Napi::Number::New(env, q.next_used));
+      qs.Set(i, qo);
+    }
+    o.Set("queues", qs);
+    return o;
+  }
+  Napi::Value RestoreState(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    VirtioVsock* v = Vsock(env);
+    if (!info[0].IsObject()) throw Napi::TypeError::New(env, "state must be an object from saveState()");
+    Napi::Object o = info[0].As<Napi::Object>();
+    VirtioVsock::State st;
+    st.guest_cid = ToU64(env, o.Get("guestCid"), "guestCid");
+    st.active = o.Get("active").ToBoolean();
+    st.driver_features = ToU64(env, o.Get("driverFeatures"), "driverFeatures");
+    st.next_host_port = static_cast<uint32_t>(ToUint(env, o.Get("nextHostPort"), "nextHostPort", UINT32_MAX));
+    Napi::Value qv = o.Get("queues");
+    if (!qv.IsArray() || qv.As<Napi::Array>().Length() != 3) throw Napi::TypeError::New(env, "state.queues must have 3 entries");
+    for (uint32_t i = 0; i < 3; i++) {
+      Napi::Value e = qv.As<Napi::Array>().Get(i);
+      if (!e.IsObject()) throw Napi::TypeError::New(env, "each queue state must be an object");
+      Napi::Object q = e.As<Napi::Object>();
+      vmm::Virtqueue::State& qs = st.queues[i];
+      qs.config.size = static_cast<uint16_t>(ToUint(env, q.Get("size"), "queue size", 0xFFFF));
+      qs.config.ready = q.Get("ready").ToBoolean();
+      qs.config.desc = ToU64(env, q.Get("desc"), "queue desc");
+      qs.config.driver = ToU64(env, q.Get("driver"), "queue driver");
+      qs.config.device = ToU64(env, q.Get("device"), "queue device");
+      qs.last_avail = static_cast<uint16_t>(ToUint(env, q.Get("lastAvail"), "lastAvail", 0xFFFF));
+      qs.next_used = static_cast<uint16_t>(ToUint(env, q.Get("nextUsed"), "nextUsed", 0xFFFF));
+    }
+    VirtioDevice::NotifyGuest notify;
+    if (has_tsfn_) {
+      Napi::ThreadSafeFunction tsfn = tsfn_;
+      notify = [tsfn](uint16_t q) mutable { tsfn.NonBlockingCall(new DeviceEvent{false, q, {}}, CallJs); };
+    }
+    v->RestoreState(mem_, st, std::move(notify));
+    return env.Undefined();
   }
   Napi::Value Close(const Napi::CallbackInfo& info) {
     Shutdown();

@@ -32,6 +32,22 @@ export interface VsockStats {
   connections: number;
 }
 
+export interface VsockState {
+  guestCid: bigint;
+  active: boolean;
+  driverFeatures: bigint;
+  nextHostPort: number;
+  queues: {
+    size: number;
+    ready: boolean;
+    desc: bigint;
+    driver: bigint;
+    device: bigint;
+    lastAvail: number;
+    nextUsed: number;
+  }[];
+}
+
 /** native/src/vmm_testing.cc */
 export interface VirtioTestDevice {
   readonly memory: ArrayBuffer;
@@ -49,6 +65,11 @@ export interface VirtioTestDevice {
   sync(timeoutMs?: number): boolean;
   failure(): string | null;
   stats(): VsockStats;
+  /** vsock snapshot support */
+  pause(): void;
+  resume(): void;
+  saveState(): VsockState;
+  restoreState(state: VsockState): void;
   close(): void;
 }
 

@@ -580,6 +580,74 @@ test('without indirect descriptors, with small rx buffers: data is split across 
   }
 });
 
+test('snapshot: pause holds the device still, resume continues', async () => {
+  const g = new Guest(sockPath());
+  try {
+    const { host, hostPort } = await hostConnect(g, 4200);
+    g.d.device.pause();
+    host.write('while paused');
+    g.send({ op: OP.RW, srcPort: 4200, dstPort: hostPort }, Buffer.from('to host'));
+    const txBefore = g.d.device.stats().txPackets;
+    // Give the (stopped) device every chance to act: a round trip through the host socket.
+    await new Promise<void>((r) => host.write('', () => r()));
+    assert.is(g.tx.usedIdx(), g.d.device.saveState().queues[1]!.nextUsed, 'tx ring position saved as is');
+    assert.is(g.d.device.stats().txPackets, txBefore, 'nothing processed while paused');
+    g.d.device.resume();
+    assert.is((await readBytes(host, 7)).toString(), 'to host');
+    assert.is((await g.recv(isOp(OP.RW, hostPort), 'data after resume')).data.toString(), 'while paused');
+  } finally {
+    g.close();
+  }
+});
+
+test('snapshot: restoring from saved ring positions continues the rings and resets the transport', async () => {
+  const g = new Guest(sockPath());
+  try {
+    const { host, hostPort } = await hostConnect(g, 4300);
+    g.send({ op: OP.RW, srcPort: 4300, dstPort: hostPort }, Buffer.from('before'));
+    assert.is((await readBytes(host, 6)).toString(), 'before');
+    g.settle();
+    g.d.device.pause();
+    const state = g.d.device.saveState();
+    const txAtSnapshot = g.d.device.stats().txPackets;
+    assert.is(state.active, true);
+    assert.is(state.guestCid, CID);
+    assert.is(state.driverFeatures, VIRTIO_F_VERSION_1 | VIRTIO_F_INDIRECT_DESC);
+    assert.is(state.queues[1]!.lastAvail, 2, 'tx: RESPONSE and RW taken');
+    assert.is(state.queues[1]!.nextUsed, 2);
+    assert.is(state.queues[0]!.nextUsed, g.rx.usedIdx());
+    assert.is(state.queues[1]!.desc, BigInt(g.tx.descAddr));
+    // A packet posted after the snapshot point.
+    g.send({ op: OP.RW, srcPort: 4300, dstPort: hostPort }, Buffer.from('after'));
+    // The "child": a device restored from the state, without the connections.
+    g.d.device.reset();
+    await closed(host);
+    g.d.device.restoreState(state);
+    await g.d.until(
+      () => {
+        g.pump();
+        return g.events.length > 0;
+      },
+      'the transport reset event',
+    );
+    assert.equal(g.events, [0]);
+    // The post-snapshot packet is taken from where the rings stood: its
+    // connection is gone, so it is answered with RST (and nothing older is replayed).
+    await g.recv(isOp(OP.RST, hostPort), 'RST for the dropped connection');
+    assert.is(g.d.device.stats().txPackets, txAtSnapshot + 1);
+    const again = await hostConnect(g, 4301);
+    again.host.write('restored');
+    assert.is((await g.recv(isOp(OP.RW), 'data on the restored device')).data.toString(), 'restored');
+    again.host.destroy();
+    // A hostile saved state fails the device instead of trusting it.
+    g.d.device.reset();
+    g.d.device.restoreState({ ...state, queues: [state.queues[0]!, { ...state.queues[1]!, size: 3 }, state.queues[2]!] });
+    assert.match(g.d.device.failure()!, /vsock tx queue: queue size 3 is not a power of two/);
+  } finally {
+    g.close();
+  }
+});
+
 // ---- hostile packets and chains ------------------------------------------------------------
 
 test('malformed packets are dropped or reset, counted, and never fail the device', async () => {

@@ -4,6 +4,7 @@
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -55,6 +56,38 @@ bool ParseConnectLine(std::string line, uint32_t* port) {
   if (v > UINT32_MAX) return false;
   *port = static_cast<uint32_t>(v);
   return true;
+}
+
+// Sends up to `len` bytes of the chain's readable stream from `offset` with
+// one sendmsg. Returns the bytes sent (0 when the socket is full), or -1 when
+// the connection is broken.
+ssize_t SendFromChain(int fd, const DescriptorChain& chain, uint64_t offset, uint64_t len) {
+  iovec iov[64];
+  size_t n = 0;
+  for (const ChainSegment& s : chain.readable) {
+    if (len == 0 || n == 64) break;
+    if (offset >= s.len) {
+      offset -= s.len;
+      continue;
+    }
+    uint64_t take = std::min<uint64_t>(s.len - offset, len);
+    iov[n].iov_base = s.host + offset;
+    iov[n].iov_len = take;
+    n++;
+    len -= take;
+    offset = 0;
+  }
+  if (n == 0) return 0;
+  msghdr msg{};
+  msg.msg_iov = iov;
+  msg.msg_iovlen = n;
+  for (;;) {
+    ssize_t r = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (r >= 0) return r;
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+    return -1;
+  }
 }
 
 }  // namespace
@@ -211,6 +244,7 @@ void VirtioVsock::Activate(const GuestMemory& mem, const std::vector<QueueConfig
   driver_features_ = driver_features;
   notify_ = std::move(notify_guest);
   event_reset_owed_ = false;
+  transport_reset_pending_ = false;
   active_ = false;
   paused_ = false;
   static const char* kNames[3] = {"vsock rx queue", "vsock tx queue", "vsock event queue"};
@@ -555,13 +589,24 @@ void VirtioVsock::HandlePacket(const VsockHeader& h, const DescriptorChain& chai
         ResetConn(c);
         return;
       }
-      if (c->to_host_off == c->to_host.size()) {
+      uint64_t sent = 0;
+      if (c->pending_to_host() == 0) {
+        // Nothing queued before it: send straight from guest memory.
+        ssize_t n = SendFromChain(c->fd, chain, kHeaderSize, h.len);
+        if (n < 0) {
+          ResetConn(c);  // EPIPE / ECONNRESET: the client is gone
+          return;
+        }
+        sent = static_cast<uint64_t>(n);
+        c->fwd_cnt += static_cast<uint32_t>(n);
         c->to_host.clear();
         c->to_host_off = 0;
       }
-      size_t at = c->to_host.size();
-      c->to_host.resize(at + h.len);
-      chain.Read(kHeaderSize, c->to_host.data() + at, h.len);
+      if (sent < h.len) {
+        size_t at = c->to_host.size();
+        c->to_host.resize(at + (h.len - sent));
+        chain.Read(kHeaderSize + sent, c->to_host.data() + at, h.len - sent);
+      }
       FlushToHost(c);
       return;
     }
@@ -742,8 +787,8 @@ void VirtioVsock::ReadFromHost(Conn* c) {
       }
       return;
     }
-    std::string buf(want, '\0');
-    ssize_t n = recv(c->fd, buf.data(), want, MSG_DONTWAIT);
+    if (read_buf_.size() < kMaxPacketPayload) read_buf_.resize(kMaxPacketPayload);
+    ssize_t n = recv(c->fd, read_buf_.data(), want, MSG_DONTWAIT);
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
@@ -757,11 +802,10 @@ void VirtioVsock::ReadFromHost(Conn* c) {
       if (c->guest_shut_send && c->pending_to_host() == 0) ResetConn(c);  // both directions are done
       return;
     }
-    buf.resize(static_cast<size_t>(n));
     Packet p;
     p.hdr = VsockHeader{kVsockHostCid, guest_cid_, c->host_port, c->guest_port, 0, kVsockTypeStream, kVsockOpRw, 0,
                         kBufAlloc, 0};
-    p.data = std::move(buf);
+    p.data.assign(read_buf_.data(), static_cast<size_t>(n));
     p.conn_id = id;
     c->tx_cnt += static_cast<uint32_t>(n);
     c->queued_rx += static_cast<size_t>(n);

@@ -230,6 +230,7 @@ class VirtioVsock : public VirtioDevice {
   size_t rx_pending_control_ = 0;
   size_t rx_pending_bytes_ = 0;
   DescriptorChain chain_;
+  std::string read_buf_;  // host reads land here first
 
   struct Counters {
     std::atomic<uint64_t> tx_packets{0}, rx_packets{0}, bad_packets{0}, resets_sent{0}, dropped_control{0},
