@@ -567,6 +567,12 @@ def _to_wire(v, budget, depth=0):
         return out
     if isinstance(v, (bytearray, memoryview)):
         return bytes(v)
+    mod = type(v).__module__ or ''
+    if mod == 'numpy' or mod.startswith('numpy.'):
+        # numpy scalars and arrays as plain numbers / nested lists (the type field still says numpy)
+        size = getattr(v, 'size', 1)
+        if isinstance(size, int) and size <= budget[0] and hasattr(v, 'tolist'):
+            return _to_wire(v.tolist(), budget, depth + 1)
     raise ValueError('not plain data')
 
 
@@ -1284,6 +1290,7 @@ def op_files_read(agent, conn, f):
         raise
     handle = FileRead()
     conn.register(req_id, handle)
+    seekable = stat.S_ISREG(st.st_mode) or stat.S_ISBLK(st.st_mode)  # pipes, character devices: plain read()
 
     def stream():
         sent = 0
@@ -1294,7 +1301,7 @@ def op_files_read(agent, conn, f):
                 n = MAX_CHUNK if remaining is None else min(MAX_CHUNK, remaining)
                 if n <= 0:
                     break
-                data = os.pread(fd, n, offset)
+                data = os.pread(fd, n, offset) if seekable else os.read(fd, n)
                 if not data:
                     break
                 offset += len(data)

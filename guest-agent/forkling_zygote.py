@@ -46,6 +46,7 @@ PR_SET_PDEATHSIG = 1
 
 LAYERS = '/run/forkling-layers'
 SCRATCH = LAYERS + '/scratch'
+BASE = LAYERS + '/base'
 RUN = '/run/forkling'
 ID_RE = re.compile(r'^[A-Za-z0-9_-]{1,32}$')
 HOST_RE = re.compile(r'^[A-Za-z0-9][A-Za-z0-9.-]{0,62}$')
@@ -54,7 +55,7 @@ READY_TIMEOUT_S = 30.0
 # What this process is: 'zygote' (started by the host), 'sandbox' (a child), or None (not the process engine).
 ROLE = os.environ.get('FORKLING_PROCESS_ROLE')
 STATE = {
-    'base_fd': None,   # O_PATH fd of the read-only base overlay (lower of every child)
+    'base_fd': None,   # O_PATH fd of the read-only base overlay (lower of every child): frozen once
     'upper_fd': None,  # O_PATH fd of this sandbox's upper dir (copied by branch)
     'pidns_fd': None,  # this process's own pid namespace (to undo unshare(CLONE_NEWPID))
 }
@@ -141,12 +142,11 @@ def _freeze_base():
     collector in a child does not touch (and copy) every inherited page."""
     if STATE['base_fd'] is not None:
         return
-    base = LAYERS + '/base'
-    os.makedirs(base, exist_ok=True)
+    os.makedirs(BASE, exist_ok=True)
     os.makedirs(SCRATCH, exist_ok=True)
-    mount('overlay', base, 'overlay', MS_RDONLY | MS_NOSUID | MS_NODEV,
+    mount('overlay', BASE, 'overlay', MS_RDONLY | MS_NOSUID | MS_NODEV,
           'lowerdir=%s/upper:%s/image,userxattr' % (LAYERS, LAYERS))
-    STATE['base_fd'] = os.open(base, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    STATE['base_fd'] = os.open(BASE, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     STATE['pidns_fd'] = os.open('/proc/self/ns/pid', os.O_RDONLY | os.O_CLOEXEC)
     gc.collect()
     gc.freeze()
@@ -268,11 +268,15 @@ def _setup_child(ch, sockdir, branch):
         os.mkdir(d, 0o755)
     if branch:
         copy_tree('/proc/self/fd/%d' % STATE['upper_fd'], upper)
+    # By path, not through base_fd: overlay clones its lower mount, which must
+    # be in this mount namespace (an fd still names the parent's).
     mount('overlay', root, 'overlay', MS_NOSUID | MS_NODEV,
-          'lowerdir=/proc/self/fd/%d,upperdir=%s,workdir=%s,userxattr' % (STATE['base_fd'], upper, work))
+          'lowerdir=%s,upperdir=%s,workdir=%s,userxattr' % (BASE, upper, work))
     mount('tmpfs', root + '/run', 'tmpfs', MS_NOSUID | MS_NODEV | MS_NOEXEC, 'mode=0755,size=16m')
     os.makedirs(root + RUN)
     os.makedirs(root + SCRATCH)
+    os.makedirs(root + BASE)
+    mount(BASE, root + BASE, None, MS_BIND)  # read-only overlay: what this sandbox's branches build on
     mount(sockdir, root + RUN, None, MS_BIND)
     mount('proc', root + '/proc', 'proc', MS_NOSUID | MS_NODEV | MS_NOEXEC)
     dev = root + '/dev'

@@ -132,6 +132,15 @@ class Values(unittest.TestCase):
                 with self.assertRaises(ValueError):
                     self.wire(v)
 
+    def test_numpy_like_values_become_lists(self):
+        class ndarray:
+            __module__ = 'numpy'
+            size = 3
+
+            def tolist(self):
+                return [[1, 2], [3.5]]
+        self.assertEqual(self.wire(ndarray()), [[1, 2], [3.5]])
+
     def test_budget(self):
         with self.assertRaises(ValueError):
             self.wire(list(range(agent.VALUE_MAX_ITEMS + 5)))

@@ -346,6 +346,9 @@ test('files: write, read, stat, exists, list, mkdir -p, rename, remove', async (
   await rejects(c.readFile(d), 'is_a_directory');
   await rejects(c.listDir(join(d, 'deep/er/y.bin')), 'not_a_directory');
   await rejects(c.stat(join(d, 'missing')), 'not_found');
+  // files whose size says nothing: a character device (with a length), a /proc file
+  assert.is((await c.readFile('/dev/urandom', { length: 100 })).length, 100);
+  assert.ok(text(await c.readFile('/proc/self/status')).includes(`Pid:\t${agent.pid}`));
 });
 
 test(`files: a ${FILE_MB} MiB file round-trips with the same sha256`, async () => {
