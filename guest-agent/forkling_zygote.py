@@ -239,6 +239,8 @@ def _kill(pid):
 
 def _child_main(agent, ch, sockdir, r, w, branch):
     """In the new child (PID 1 of its pid namespace): set up, listen, serve."""
+    global _lock
+    _lock = threading.Lock()  # the parent held it across the fork
     try:
         os.close(r)
         _setup_child(ch, sockdir, branch)

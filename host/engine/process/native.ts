@@ -9,16 +9,13 @@ export interface LaunchOptions {
   stage: string;
   /** Host directory bind-mounted at /run/forkling inside (the agent's socket lives there). */
   runDir: string;
+  /** Host directory bound read-only at /run/forkling-agent inside (the agent's code). */
+  agentDir?: string;
   hostname: string;
   /** argv[0] is an absolute path inside the new root. */
   argv: string[];
   env: string[];
-  userns: boolean;
-  /** Lines for /proc/PID/uid_map and gid_map, written by this process. */
-  uidMap?: string;
-  gidMap?: string;
-  setgroupsDeny?: boolean;
-  /** cgroup.procs files the child is moved into before it runs anything. */
+  /** cgroup.procs files the sandbox is moved into before it runs anything. */
   cgroupProcs: string[];
   layerSizeMiB?: number;
   /** fd that becomes the child's stdout and stderr (else /dev/null). */
@@ -31,8 +28,15 @@ export interface ExitStatus {
   signal: number | null;
 }
 
+export interface Launched {
+  /** The sandbox's PID 1, as seen from here. */
+  pid: number;
+  /** Our child that waits for it and exits with it: reap it with sandboxWait(). */
+  keeperPid: number;
+}
+
 interface SandboxAddon {
-  sandboxLaunch(opts: LaunchOptions): number;
+  sandboxLaunch(opts: LaunchOptions): Launched;
   sandboxReap(pid: number): ExitStatus | null;
   sandboxWait(pid: number): Promise<ExitStatus>;
   sandboxPipe(): [number, number];

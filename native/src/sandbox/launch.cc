@@ -56,158 +56,266 @@
 namespace forkling {
 namespace {
 
-// Steps of the child, for error messages (index written back over the pipe).
+// Steps, for error messages (the index is written back over the pipe).
 const char* const kSteps[] = {
-    "wait for the parent",           // 0
-    "setresgid/setresuid to root",   // 1
-    "unshare(CLONE_NEWCGROUP)",      // 2
-    "make / private",                // 3
-    "mount the layer tmpfs",         // 4
-    "mkdir in the layer",            // 5
-    "bind the image read-only",      // 6
-    "mount the overlay root",        // 7
-    "mount /run",                    // 8
-    "bind /run/forkling",            // 9
-    "bind the layers for the zygote",  // 10
-    "mount /proc",                   // 11
-    "mount /dev",                    // 12
-    "bind a device node",            // 13
-    "mount /dev/pts",                // 14
-    "mount /dev/shm",                // 15
-    "(unused)",                      // 16
-    "mount /sys",                    // 17
-    "sethostname",                   // 18
-    "bring up lo",                   // 19
-    "pivot_root",                    // 20
-    "detach the old root",           // 21
-    "seccomp",                       // 22
-    "stdio",                         // 23
-    "execve",                        // 24
-    "statfs of the image",           // 25
+    "wait for the parent",              // 0
+    "setresgid/setresuid to root",      // 1
+    "unshare(CLONE_NEWCGROUP)",         // 2
+    "make / private",                   // 3
+    "mount the layer tmpfs",            // 4
+    "mkdir in the layer",               // 5
+    "bind the image read-only",         // 6
+    "mount the overlay root",           // 7
+    "mount /run",                       // 8
+    "bind /run/forkling",               // 9
+    "bind the layers for the zygote",   // 10
+    "mount /proc",                      // 11
+    "mount /dev",                       // 12
+    "bind a device node",               // 13
+    "mount /dev/pts",                   // 14
+    "mount /dev/shm",                   // 15
+    "bind the agent directory",         // 16
+    "mount /sys",                       // 17
+    "sethostname",                      // 18
+    "bring up lo",                      // 19
+    "pivot_root",                       // 20
+    "detach the old root",              // 21
+    "seccomp",                          // 22
+    "stdio",                            // 23
+    "execve",                           // 24
+    "statfs of a bind mount",           // 25
+    "clone the sandbox",                // 26
+    "write the sandbox's uid/gid map",  // 27
+    "move the sandbox into its cgroup", // 28
 };
 
 struct Prepared {
   // paths outside (host view)
-  std::string stage, image, upper, work, root, rootfs, runDir;
+  std::string stage, image, agent, upper, work, root, rootfs, runDir, agentDir;
   // paths inside the new root, still prefixed with `root`
-  std::string run, runForkling, layers, layersImage, layersUpper, proc, dev, pts, shm, sys;
-  std::vector<std::string> devNames, devHost, devTarget;
+  std::string run, runForkling, runAgent, layers, layersImage, layersUpper, proc, dev, pts, shm, sys;
+  std::vector<std::string> devHost, devTarget;
   std::vector<std::pair<std::string, std::string>> devLinks;  // target, linkpath
   std::string layerOpts, overlayOpts, hostname;
   std::vector<std::string> argv, env;
   std::vector<char*> argvp, envp;
   std::vector<sock_filter> filter;
-  bool userns = false;
-  bool setgroups = false;
-  int stdoutFd = -1;
+  std::vector<std::string> cgroupProcs;
+  std::string innerUidMap, innerGidMap;
+  bool keeperUserns = false;
+  bool haveStdout = false;
 };
 
-[[noreturn]] void Fail(int errW, int step, int err) {
+constexpr int kErrFd = 3;     // status pipe to Node (CLOEXEC: closes at execve)
+constexpr int kStdoutFd = 4;  // becomes the sandbox's stdout/stderr
+
+[[noreturn]] void Fail(int step, int err) {
   int msg[2] = {step, err};
-  ssize_t ignored = write(errW, msg, sizeof msg);
+  ssize_t ignored = write(kErrFd, msg, sizeof msg);
   (void)ignored;
   _exit(127);
 }
 
 bool MkdirP(const char* path) { return mkdir(path, 0755) == 0 || errno == EEXIST; }
 
-// Everything from clone() to execve(): raw system calls on prepared data only.
-[[noreturn]] void ChildMain(const Prepared& p, int syncR, int errW) {
-  // Die with the thread that created us (the JS thread: lives as long as Node).
-  prctl(PR_SET_PDEATHSIG, SIGKILL);
-  char c;
-  if (read(syncR, &c, 1) != 1) _exit(126);  // parent gone, or it gave up on us
-  close(syncR);
-  sigset_t none;
-  sigemptyset(&none);
-  sigprocmask(SIG_SETMASK, &none, nullptr);
+bool WriteAll(const char* path, const char* data, size_t len) {
+  int fd = open(path, O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  ssize_t n = write(fd, data, len);
+  int e = errno;
+  close(fd);
+  errno = e;
+  return n == static_cast<ssize_t>(len);
+}
 
-  if (p.userns) {
-    if (p.setgroups && setgroups(0, nullptr) != 0) Fail(errW, 1, errno);
-    if (setresgid(0, 0, 0) != 0 || setresuid(0, 0, 0) != 0) Fail(errW, 1, errno);
-    prctl(PR_SET_PDEATHSIG, SIGKILL);  // a credential change may clear it
-  }
-  // Now that the parent has placed us in our cgroups, make them our cgroup root.
-  if (unshare(CLONE_NEWCGROUP) != 0) Fail(errW, 2, errno);
-  if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) Fail(errW, 3, errno);
-  if (mount("forkling-layer", p.stage.c_str(), "tmpfs", MS_NOSUID | MS_NODEV, p.layerOpts.c_str()) != 0) Fail(errW, 4, errno);
-  for (const std::string* d : {&p.image, &p.upper, &p.work, &p.root}) {
-    if (!MkdirP(d->c_str())) Fail(errW, 5, errno);
-  }
-  // Read-only view of the image. A bind mount keeps the locked flags of the
-  // mount it came from (atime, nosuid, ...); a remount must repeat them.
-  if (mount(p.rootfs.c_str(), p.image.c_str(), nullptr, MS_BIND | MS_REC, nullptr) != 0) Fail(errW, 6, errno);
+// Formats a pid into buf (no allocation); returns the length.
+size_t FormatPid(char* buf, long pid) {
+  char tmp[24];
+  size_t n = 0;
+  do {
+    tmp[n++] = static_cast<char>('0' + pid % 10);
+    pid /= 10;
+  } while (pid > 0);
+  for (size_t i = 0; i < n; i++) buf[i] = tmp[n - 1 - i];
+  buf[n] = 0;
+  return n;
+}
+
+// A read-only bind mount. A bind keeps the locked flags of the mount it came
+// from (atime, noexec, ...) and a remount must repeat them.
+void BindReadOnly(const char* src, const char* dst, int step) {
+  if (mount(src, dst, nullptr, MS_BIND | MS_REC, nullptr) != 0) Fail(step, errno);
   struct statfs sf;
-  if (statfs(p.image.c_str(), &sf) != 0) Fail(errW, 25, errno);
+  if (statfs(dst, &sf) != 0) Fail(25, errno);
   unsigned long keep = 0;
   if (sf.f_flags & ST_NOATIME) keep |= MS_NOATIME;
   if (sf.f_flags & ST_NODIRATIME) keep |= MS_NODIRATIME;
   if (sf.f_flags & ST_RELATIME) keep |= MS_RELATIME;
   if (sf.f_flags & ST_NOEXEC) keep |= MS_NOEXEC;
-  if (mount(nullptr, p.image.c_str(), nullptr, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | keep, nullptr) != 0) {
-    Fail(errW, 6, errno);
+  if (mount(nullptr, dst, nullptr, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | keep, nullptr) != 0) Fail(step, errno);
+}
+
+// The sandbox (the zygote, or a cold-booted sandbox): from the second clone to execve.
+[[noreturn]] void SandboxMain(const Prepared& p, int syncR) {
+  prctl(PR_SET_PDEATHSIG, SIGKILL);  // the keeper is our parent
+  char c;
+  if (read(syncR, &c, 1) != 1) _exit(126);
+  close(syncR);
+  if (setgroups(0, nullptr) != 0) Fail(1, errno);
+  if (setresgid(0, 0, 0) != 0 || setresuid(0, 0, 0) != 0) Fail(1, errno);
+  prctl(PR_SET_PDEATHSIG, SIGKILL);  // a credential change may clear it
+  // The keeper has placed us in our cgroups: make them our cgroup root.
+  if (unshare(CLONE_NEWCGROUP) != 0) Fail(2, errno);
+  if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) Fail(3, errno);
+  for (const std::string* d : {&p.upper, &p.work, &p.root}) {
+    if (!MkdirP(d->c_str())) Fail(5, errno);
   }
-  if (mount("overlay", p.root.c_str(), "overlay", MS_NOSUID | MS_NODEV, p.overlayOpts.c_str()) != 0) Fail(errW, 7, errno);
+  if (mount("overlay", p.root.c_str(), "overlay", MS_NOSUID | MS_NODEV, p.overlayOpts.c_str()) != 0) Fail(7, errno);
 
   const unsigned long quiet = MS_NOSUID | MS_NODEV;
-  if (!MkdirP(p.run.c_str()) || mount("tmpfs", p.run.c_str(), "tmpfs", quiet | MS_NOEXEC, "mode=0755,size=16m") != 0) Fail(errW, 8, errno);
-  if (!MkdirP(p.runForkling.c_str()) || mount(p.runDir.c_str(), p.runForkling.c_str(), nullptr, MS_BIND, nullptr) != 0) Fail(errW, 9, errno);
-  if (!MkdirP(p.layers.c_str()) || !MkdirP(p.layersImage.c_str()) || !MkdirP(p.layersUpper.c_str())) Fail(errW, 10, errno);
-  if (mount(p.image.c_str(), p.layersImage.c_str(), nullptr, MS_BIND, nullptr) != 0) Fail(errW, 10, errno);
-  if (mount(p.upper.c_str(), p.layersUpper.c_str(), nullptr, MS_BIND, nullptr) != 0) Fail(errW, 10, errno);
-
-  if (!MkdirP(p.proc.c_str()) || mount("proc", p.proc.c_str(), "proc", quiet | MS_NOEXEC, nullptr) != 0) Fail(errW, 11, errno);
-  if (!MkdirP(p.dev.c_str()) || mount("tmpfs", p.dev.c_str(), "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k") != 0) Fail(errW, 12, errno);
+  if (!MkdirP(p.run.c_str()) || mount("tmpfs", p.run.c_str(), "tmpfs", quiet | MS_NOEXEC, "mode=0755,size=16m") != 0) Fail(8, errno);
+  if (!MkdirP(p.runForkling.c_str()) || mount(p.runDir.c_str(), p.runForkling.c_str(), nullptr, MS_BIND, nullptr) != 0) Fail(9, errno);
+  if (!MkdirP(p.layers.c_str()) || !MkdirP(p.layersImage.c_str()) || !MkdirP(p.layersUpper.c_str())) Fail(10, errno);
+  // The image bind was made read-only by the keeper, outside this user
+  // namespace: it is locked read-only here and in every bind of it.
+  if (mount(p.image.c_str(), p.layersImage.c_str(), nullptr, MS_BIND, nullptr) != 0) Fail(10, errno);
+  if (mount(p.upper.c_str(), p.layersUpper.c_str(), nullptr, MS_BIND, nullptr) != 0) Fail(10, errno);
+  if (!p.agentDir.empty()) {
+    if (!MkdirP(p.runAgent.c_str()) || mount(p.agent.c_str(), p.runAgent.c_str(), nullptr, MS_BIND, nullptr) != 0) Fail(16, errno);
+  }
+  if (!MkdirP(p.proc.c_str()) || mount("proc", p.proc.c_str(), "proc", quiet | MS_NOEXEC, nullptr) != 0) Fail(11, errno);
+  if (!MkdirP(p.dev.c_str()) || mount("tmpfs", p.dev.c_str(), "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=0755,size=64k") != 0) Fail(12, errno);
   for (size_t i = 0; i < p.devTarget.size(); i++) {
     int fd = open(p.devTarget[i].c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0666);
-    if (fd < 0) Fail(errW, 13, errno);
+    if (fd < 0) Fail(13, errno);
     close(fd);
-    if (mount(p.devHost[i].c_str(), p.devTarget[i].c_str(), nullptr, MS_BIND, nullptr) != 0) Fail(errW, 13, errno);
+    if (mount(p.devHost[i].c_str(), p.devTarget[i].c_str(), nullptr, MS_BIND, nullptr) != 0) Fail(13, errno);
   }
   if (!MkdirP(p.pts.c_str()) ||
       mount("devpts", p.pts.c_str(), "devpts", MS_NOSUID | MS_NOEXEC, "newinstance,ptmxmode=0666,mode=0620") != 0) {
-    Fail(errW, 14, errno);
+    Fail(14, errno);
   }
   for (const auto& l : p.devLinks) {
-    if (symlink(l.first.c_str(), l.second.c_str()) != 0) Fail(errW, 12, errno);
+    if (symlink(l.first.c_str(), l.second.c_str()) != 0) Fail(12, errno);
   }
-  if (!MkdirP(p.shm.c_str()) || mount("tmpfs", p.shm.c_str(), "tmpfs", quiet, "mode=1777") != 0) Fail(errW, 15, errno);
+  if (!MkdirP(p.shm.c_str()) || mount("tmpfs", p.shm.c_str(), "tmpfs", quiet, "mode=1777") != 0) Fail(15, errno);
   // An empty read-only /sys: no sysfs (host hardware) in the sandbox.
   if (!MkdirP(p.sys.c_str()) || mount("tmpfs", p.sys.c_str(), "tmpfs", quiet | MS_NOEXEC | MS_RDONLY, "size=4k,mode=0555") != 0) {
-    Fail(errW, 17, errno);
+    Fail(17, errno);
   }
-  if (sethostname(p.hostname.data(), p.hostname.size()) != 0) Fail(errW, 18, errno);
+  if (sethostname(p.hostname.data(), p.hostname.size()) != 0) Fail(18, errno);
   {
     int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
     struct ifreq ifr;
     memset(&ifr, 0, sizeof ifr);
     memcpy(ifr.ifr_name, "lo", 3);
-    if (s < 0 || ioctl(s, SIOCGIFFLAGS, &ifr) != 0) Fail(errW, 19, errno);
+    if (s < 0 || ioctl(s, SIOCGIFFLAGS, &ifr) != 0) Fail(19, errno);
     ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
-    if (ioctl(s, SIOCSIFFLAGS, &ifr) != 0) Fail(errW, 19, errno);
+    if (ioctl(s, SIOCSIFFLAGS, &ifr) != 0) Fail(19, errno);
     close(s);
   }
-  if (chdir(p.root.c_str()) != 0 || syscall(SYS_pivot_root, ".", ".") != 0) Fail(errW, 20, errno);
-  if (umount2(".", MNT_DETACH) != 0 || chdir("/") != 0) Fail(errW, 21, errno);
+  if (chdir(p.root.c_str()) != 0 || syscall(SYS_pivot_root, ".", ".") != 0) Fail(20, errno);
+  if (umount2(".", MNT_DETACH) != 0 || chdir("/") != 0) Fail(21, errno);
 
   // stdio: 0 from /dev/null, 1 and 2 to the console pipe (or /dev/null).
   int devnull = open("/dev/null", O_RDWR | O_CLOEXEC);
-  if (devnull < 0) Fail(errW, 23, errno);
-  int out = p.stdoutFd >= 0 ? p.stdoutFd : devnull;
-  if (dup2(devnull, 0) < 0 || dup2(out, 1) < 0 || dup2(out, 2) < 0) Fail(errW, 23, errno);
-  // Nothing else of this (Node) process may reach the sandbox.
-  if (errW > 3) syscall(SYS_close_range, 3, errW - 1, 0);
-  syscall(SYS_close_range, errW + 1, ~0U, 0);
+  if (devnull < 0) Fail(23, errno);
+  int out = p.haveStdout ? kStdoutFd : devnull;
+  if (dup2(devnull, 0) < 0 || dup2(out, 1) < 0 || dup2(out, 2) < 0) Fail(23, errno);
+  syscall(SYS_close_range, kStdoutFd, ~0U, 0);  // keeps kErrFd (CLOEXEC) for a failed exec
 
-  if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) Fail(errW, 22, errno);
+  if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) Fail(22, errno);
   if (!p.filter.empty()) {
     struct sock_fprog prog;
     prog.len = static_cast<unsigned short>(p.filter.size());
     prog.filter = const_cast<sock_filter*>(p.filter.data());
-    if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &prog) != 0) Fail(errW, 22, errno);
+    if (syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER, 0, &prog) != 0) Fail(22, errno);
   }
   execve(p.argvp[0], p.argvp.data(), p.envp.data());
-  Fail(errW, 24, errno);
+  Fail(24, errno);
+}
+
+// The keeper: a copy of this process with one thread, in a mount namespace of
+// its own (and, when we are not root, a user namespace mapping us to root).
+// It mounts what must be locked read-only for the sandbox (the image, the
+// agent directory) before the sandbox's user namespace exists, clones the
+// sandbox, maps its ids, puts it in its cgroups, then waits for it and exits
+// with it. Raw system calls only, on prepared data.
+[[noreturn]] void KeeperMain(const Prepared& p, int syncR, int errW, int stdoutFd) {
+  prctl(PR_SET_PDEATHSIG, SIGKILL);  // dies with the JS thread that launched it
+  // Fixed fd numbers: the status pipe at 3 (CLOEXEC), the console at 4; nothing else of Node's.
+  int e = fcntl(errW, F_DUPFD_CLOEXEC, 100);
+  int o = p.haveStdout ? fcntl(stdoutFd, F_DUPFD_CLOEXEC, 100) : -1;
+  int s = fcntl(syncR, F_DUPFD_CLOEXEC, 100);
+  if (e < 0 || (p.haveStdout && o < 0) || s < 0) _exit(125);
+  dup3(e, kErrFd, O_CLOEXEC);
+  if (p.haveStdout) dup2(o, kStdoutFd);
+  int syncFd = p.haveStdout ? 5 : 4;
+  dup3(s, syncFd, O_CLOEXEC);
+  syscall(SYS_close_range, syncFd + 1, ~0U, 0);
+  char c;
+  if (read(syncFd, &c, 1) != 1) _exit(126);
+  close(syncFd);
+  // Node's signal handlers mean nothing here.
+  struct sigaction dfl;
+  memset(&dfl, 0, sizeof dfl);
+  dfl.sa_handler = SIG_DFL;
+  for (int sig = 1; sig < 65; sig++) {
+    if (sig != SIGKILL && sig != SIGSTOP) sigaction(sig, &dfl, nullptr);
+  }
+  sigset_t none;
+  sigemptyset(&none);
+  sigprocmask(SIG_SETMASK, &none, nullptr);
+  if (p.keeperUserns) {
+    if (setresgid(0, 0, 0) != 0 || setresuid(0, 0, 0) != 0) Fail(1, errno);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+  }
+  if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) Fail(3, errno);
+  if (mount("forkling-layer", p.stage.c_str(), "tmpfs", MS_NOSUID | MS_NODEV, p.layerOpts.c_str()) != 0) Fail(4, errno);
+  if (!MkdirP(p.image.c_str())) Fail(5, errno);
+  BindReadOnly(p.rootfs.c_str(), p.image.c_str(), 6);
+  if (!p.agentDir.empty()) {
+    if (!MkdirP(p.agent.c_str())) Fail(5, errno);
+    BindReadOnly(p.agentDir.c_str(), p.agent.c_str(), 16);
+  }
+  int sync2[2];
+  if (pipe2(sync2, O_CLOEXEC) != 0) Fail(26, errno);
+  long pid = syscall(SYS_clone, CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | SIGCHLD,
+                     nullptr, nullptr, nullptr, 0);
+  if (pid == 0) {
+    close(sync2[1]);
+    SandboxMain(p, sync2[0]);
+  }
+  if (pid < 0) Fail(26, errno);
+  close(sync2[0]);
+  char path[64], num[24];
+  size_t n = FormatPid(num, pid);
+  const char* procPrefix = "/proc/";
+  auto procPath = [&](const char* leaf) {
+    size_t i = 0;
+    for (const char* q = procPrefix; *q;) path[i++] = *q++;
+    for (size_t k = 0; k < n;) path[i++] = num[k++];
+    path[i++] = '/';
+    for (const char* q = leaf; *q;) path[i++] = *q++;
+    path[i] = 0;
+    return path;
+  };
+  if (!WriteAll(procPath("uid_map"), p.innerUidMap.data(), p.innerUidMap.size())) Fail(27, errno);
+  if (!WriteAll(procPath("gid_map"), p.innerGidMap.data(), p.innerGidMap.size())) Fail(27, errno);
+  for (const auto& f : p.cgroupProcs) {
+    if (!WriteAll(f.c_str(), num, n)) Fail(28, errno);
+  }
+  int msg[2] = {-1, static_cast<int>(pid)};
+  if (write(kErrFd, msg, sizeof msg) != sizeof msg) _exit(125);
+  if (write(sync2[1], "g", 1) != 1) Fail(26, errno);
+  close(sync2[1]);
+  close(kErrFd);  // the sandbox keeps its copy until execve: EOF then means it runs
+  if (p.haveStdout) close(kStdoutFd);
+  int st = 0;
+  while (waitpid(static_cast<pid_t>(pid), &st, __WALL) < 0) {
+    if (errno != EINTR) _exit(125);
+  }
+  _exit(WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st));
 }
 
 // ------------------------------------------------------------------ seccomp
@@ -318,8 +426,10 @@ void KillAndReap(pid_t pid) {
   }
 }
 
-// sandboxLaunch({rootfs, stage, runDir, hostname, argv, env, userns, uidMap, gidMap,
-//                setgroupsDeny, cgroupProcs, layerSizeMiB, stdoutFd, seccomp}) -> pid
+// sandboxLaunch({rootfs, stage, runDir, agentDir?, hostname, argv, env, cgroupProcs,
+//                layerSizeMiB?, stdoutFd?, seccomp}) -> {pid, keeperPid}
+// pid: the sandbox (PID 1 of its namespaces, as seen here); keeperPid: our
+// child that waits for it (reap it with sandboxWait/sandboxReap).
 Napi::Value Launch(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   if (!info[0].IsObject()) throw Napi::TypeError::New(env, "options must be an object");
@@ -328,32 +438,41 @@ Napi::Value Launch(const Napi::CallbackInfo& info) {
   p.rootfs = GetStr(o, "rootfs");
   p.stage = GetStr(o, "stage");
   p.runDir = GetStr(o, "runDir");
+  p.agentDir = o.Get("agentDir").IsString() ? GetStr(o, "agentDir") : "";
   p.hostname = GetStr(o, "hostname");
   p.argv = GetStrs(o, "argv");
   p.env = GetStrs(o, "env");
+  p.cgroupProcs = GetStrs(o, "cgroupProcs");
   if (p.argv.empty() || p.argv[0].empty() || p.argv[0][0] != '/') throw Napi::TypeError::New(env, "argv[0] must be an absolute path");
   if (p.hostname.empty() || p.hostname.size() > 64) throw Napi::RangeError::New(env, "hostname must have 1-64 characters");
-  for (const std::string* s : {&p.rootfs, &p.stage, &p.runDir}) {
+  for (const std::string* s : {&p.rootfs, &p.stage, &p.runDir, &p.agentDir}) {
+    if (s == &p.agentDir && s->empty()) continue;
     if (s->empty() || (*s)[0] != '/' || s->find_first_of(",:\\") != std::string::npos) {
-      throw Napi::TypeError::New(env, "rootfs, stage and runDir must be absolute paths without , : or \\");
+      throw Napi::TypeError::New(env, "rootfs, stage, runDir and agentDir must be absolute paths without , : or \\");
     }
   }
-  p.userns = o.Get("userns").ToBoolean();
-  std::string uidMap = p.userns ? GetStr(o, "uidMap") : "";
-  std::string gidMap = p.userns ? GetStr(o, "gidMap") : "";
-  bool setgroupsDeny = o.Get("setgroupsDeny").ToBoolean();
-  p.setgroups = p.userns && !setgroupsDeny;
-  std::vector<std::string> cgroupProcs = GetStrs(o, "cgroupProcs");
   uint32_t layerMiB = o.Get("layerSizeMiB").IsNumber() ? o.Get("layerSizeMiB").As<Napi::Number>().Uint32Value() : 1024;
-  p.stdoutFd = o.Get("stdoutFd").IsNumber() ? o.Get("stdoutFd").As<Napi::Number>().Int32Value() : -1;
+  int stdoutFd = o.Get("stdoutFd").IsNumber() ? o.Get("stdoutFd").As<Napi::Number>().Int32Value() : -1;
+  p.haveStdout = stdoutFd >= 0;
   if (o.Get("seccomp").ToBoolean()) p.filter = BuildFilter();
 
+  // Root maps the sandbox's 0-65535 onto the host's 0-65535 (files of the
+  // image keep their owners); anyone else maps the sandbox's root onto
+  // themselves, through the keeper's user namespace.
+  uid_t uid = geteuid();
+  gid_t gid = getegid();
+  p.keeperUserns = uid != 0;
+  p.innerUidMap = p.keeperUserns ? "0 0 1\n" : "0 0 65536\n";
+  p.innerGidMap = p.keeperUserns ? "0 0 1\n" : "0 0 65536\n";
+
   p.image = p.stage + "/image";
+  p.agent = p.stage + "/agent";
   p.upper = p.stage + "/upper";
   p.work = p.stage + "/work";
   p.root = p.stage + "/root";
   p.run = p.root + "/run";
   p.runForkling = p.run + "/forkling";
+  p.runAgent = p.run + "/forkling-agent";
   p.layers = p.run + "/forkling-layers";
   p.layersImage = p.layers + "/image";
   p.layersUpper = p.layers + "/upper";
@@ -372,7 +491,7 @@ Napi::Value Launch(const Napi::CallbackInfo& info) {
                 {"/proc/self/fd/1", p.dev + "/stdout"},
                 {"/proc/self/fd/2", p.dev + "/stderr"}};
   p.layerOpts = "mode=0755,size=" + std::to_string(layerMiB) + "m";
-  p.overlayOpts = "lowerdir=" + p.image + ",upperdir=" + p.upper + ",workdir=" + p.work + (p.userns ? ",userxattr" : "");
+  p.overlayOpts = "lowerdir=" + p.image + ",upperdir=" + p.upper + ",workdir=" + p.work + ",userxattr";
   for (auto& s : p.argv) p.argvp.push_back(s.data());
   p.argvp.push_back(nullptr);
   for (auto& s : p.env) p.envp.push_back(s.data());
@@ -386,18 +505,16 @@ Napi::Value Launch(const Napi::CallbackInfo& info) {
     close(syncp[1]);
     throw ErrnoError(env, "pipe2", e);
   }
-  unsigned long flags = CLONE_NEWPID | CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | SIGCHLD;
-  if (p.userns) flags |= CLONE_NEWUSER;
-  long pid = syscall(SYS_clone, flags, nullptr, nullptr, nullptr, 0);
-  if (pid == 0) {
-    close(syncp[1]);
-    close(errp[0]);
-    ChildMain(p, syncp[0], errp[1]);
+  unsigned long flags = CLONE_NEWNS | SIGCHLD;
+  if (p.keeperUserns) flags |= CLONE_NEWUSER;
+  long keeper = syscall(SYS_clone, flags, nullptr, nullptr, nullptr, 0);
+  if (keeper == 0) {
+    KeeperMain(p, syncp[0], errp[1], stdoutFd);
   }
   int cloneErr = errno;
   close(syncp[0]);
   close(errp[1]);
-  if (pid < 0) {
+  if (keeper < 0) {
     close(syncp[1]);
     close(errp[0]);
     throw ErrnoError(env, "clone", cloneErr);
@@ -405,35 +522,46 @@ Napi::Value Launch(const Napi::CallbackInfo& info) {
   auto fail = [&](const std::string& what, int e) {
     close(syncp[1]);
     close(errp[0]);
-    KillAndReap(static_cast<pid_t>(pid));
-    Napi::Error err = ErrnoError(env, what, e);
-    throw err;
+    KillAndReap(static_cast<pid_t>(keeper));
+    throw ErrnoError(env, what, e);
   };
-  std::string procDir = "/proc/" + std::to_string(pid);
-  if (p.userns) {
-    if (setgroupsDeny && !WriteFile(procDir + "/setgroups", "deny")) fail("write setgroups", errno);
-    if (!WriteFile(procDir + "/uid_map", uidMap)) fail("write uid_map", errno);
-    if (!WriteFile(procDir + "/gid_map", gidMap)) fail("write gid_map", errno);
+  if (p.keeperUserns) {
+    std::string procDir = "/proc/" + std::to_string(keeper);
+    if (!WriteFile(procDir + "/setgroups", "deny")) fail("write setgroups", errno);
+    if (!WriteFile(procDir + "/uid_map", "0 " + std::to_string(uid) + " 1\n")) fail("write uid_map", errno);
+    if (!WriteFile(procDir + "/gid_map", "0 " + std::to_string(gid) + " 1\n")) fail("write gid_map", errno);
   }
-  for (const auto& f : cgroupProcs) {
-    if (!WriteFile(f, std::to_string(pid))) fail("write " + f, errno);
-  }
-  if (write(syncp[1], "g", 1) != 1) fail("write to the child", errno);
+  if (write(syncp[1], "g", 1) != 1) fail("write to the keeper", errno);
   close(syncp[1]);
-  int msg[2];
-  ssize_t n;
-  do {
-    n = read(errp[0], msg, sizeof msg);
-  } while (n < 0 && errno == EINTR);
+  // Messages until EOF (the sandbox exec'd): {-1, pid} then, on failure, {step, errno}.
+  long pid = -1;
+  int failStep = -1, failErr = 0;
+  for (;;) {
+    int msg[2];
+    ssize_t n;
+    do {
+      n = read(errp[0], msg, sizeof msg);
+    } while (n < 0 && errno == EINTR);
+    if (n != static_cast<ssize_t>(sizeof msg)) break;
+    if (msg[0] == -1) pid = msg[1];
+    else {
+      failStep = msg[0];
+      failErr = msg[1];
+    }
+  }
   close(errp[0]);
-  if (n == static_cast<ssize_t>(sizeof msg)) {
-    KillAndReap(static_cast<pid_t>(pid));
-    int step = msg[0] >= 0 && msg[0] < static_cast<int>(sizeof kSteps / sizeof kSteps[0]) ? msg[0] : 0;
-    Napi::Error err = ErrnoError(env, std::string("sandbox set-up: ") + kSteps[step], msg[1]);
-    err.Set("step", Napi::String::New(env, kSteps[step]));
+  if (failStep >= 0 || pid <= 0) {
+    KillAndReap(static_cast<pid_t>(keeper));
+    int step = failStep >= 0 && failStep < static_cast<int>(sizeof kSteps / sizeof kSteps[0]) ? failStep : 0;
+    Napi::Error err = failStep >= 0 ? ErrnoError(env, std::string("sandbox set-up: ") + kSteps[step], failErr)
+                                    : Napi::Error::New(env, "sandbox set-up: the keeper process died before the sandbox started");
+    err.Set("step", Napi::String::New(env, failStep >= 0 ? kSteps[step] : "keeper"));
     throw err;
   }
-  return Napi::Number::New(env, static_cast<double>(pid));
+  Napi::Object r = Napi::Object::New(env);
+  r.Set("pid", Napi::Number::New(env, static_cast<double>(pid)));
+  r.Set("keeperPid", Napi::Number::New(env, static_cast<double>(keeper)));
+  return r;
 }
 
 Napi::Object StatusObject(Napi::Env env, int st) {
