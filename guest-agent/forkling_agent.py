@@ -59,8 +59,10 @@ EVAL_FLUSH_BYTES = 32 << 10  # eval output flushed when this much is buffered...
 EVAL_FLUSH_S = 0.02  # ...or after this long
 EVAL_BUFFER_MAX = 8 << 20  # a print() waits while this much is unsent
 REPR_MAX = 256 << 10
+TRACEBACK_MAX = 1 << 20
 SEND_TIMEOUT_S = 60  # a send blocked this long (client not reading) closes the connection
 VALUE_MAX_ITEMS = 100000
+VALUE_MAX_BYTES = 2 << 20  # str characters (up to 4 bytes each) + bytes in a value
 RNDADDENTROPY = 0x40085203  # _IOW('R', 0x03, int[2])
 
 
@@ -550,7 +552,12 @@ def _to_wire(v, budget, depth=0):
     budget[0] -= 1
     if budget[0] < 0 or depth > 100:
         raise ValueError('too large')
-    if v is None or isinstance(v, (bool, str, float, bytes)):
+    if isinstance(v, (str, bytes)):
+        budget[1] -= len(v)  # characters or bytes: keeps the result well inside MAX_FRAME
+        if budget[1] < 0:
+            raise ValueError('too large')
+        return v
+    if v is None or isinstance(v, (bool, float)):
         return v
     if isinstance(v, int):
         if -(1 << 63) <= v < (1 << 64):
@@ -592,6 +599,17 @@ def _safe_repr(v):
     if len(r) > REPR_MAX:
         r = r[:REPR_MAX] + '...[%d characters truncated]' % (len(r) - REPR_MAX)
     return r
+
+
+def _safe_str(e):
+    try:
+        return str(e)
+    except BaseException as x:  # noqa: BLE001
+        return '<str failed: %s>' % type(x).__name__
+
+
+def _clip(text, limit):
+    return text if len(text) <= limit else text[:limit] + '...[%d characters truncated]' % (len(text) - limit)
 
 
 def _format_exception(e):
@@ -991,20 +1009,22 @@ class Agent:
             if exc is not None:
                 if isinstance(exc, MemoryError):
                     traceback.clear_frames(exc.__traceback__)  # free what the failed code held first
-                res['exception'] = {'type': _type_name(exc), 'message': str(exc), 'traceback': _format_exception(exc)}
+                res['exception'] = {'type': _type_name(exc), 'message': _clip(_safe_str(exc), REPR_MAX),
+                                    'traceback': _clip(_format_exception(exc), TRACEBACK_MAX)}
                 res['repr'] = _safe_repr(exc)
                 res['type'] = _type_name(exc)
             else:
                 res['repr'] = _safe_repr(value)
                 res['type'] = _type_name(value)
                 try:
-                    res['value'] = _to_wire(value, [VALUE_MAX_ITEMS])
-                except (ValueError, RecursionError):
+                    res['value'] = _to_wire(value, [VALUE_MAX_ITEMS, VALUE_MAX_BYTES])
+                except Exception:  # noqa: BLE001 - not plain data, or user code (tolist, items) failed
                     pass
-        except MemoryError:
+        except BaseException as e:  # noqa: BLE001 - out of memory, or a hostile __str__/__repr__
+            name = 'MemoryError' if isinstance(e, MemoryError) else type(e).__name__
             res = {'t': 'res', 'id': job.id, 'timedOut': job.timed_out, 'durationMs': duration,
-                   'repr': '', 'type': 'MemoryError',
-                   'exception': {'type': 'MemoryError', 'message': 'out of memory', 'traceback': ''}}
+                   'repr': '', 'type': name,
+                   'exception': {'type': name, 'message': 'the result could not be described', 'traceback': ''}}
         finally:
             exc = value = None
         if job.cancelled:

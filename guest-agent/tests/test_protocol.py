@@ -120,7 +120,7 @@ class Validator(unittest.TestCase):
 
 class Values(unittest.TestCase):
     def wire(self, v):
-        return agent._to_wire(v, [agent.VALUE_MAX_ITEMS])
+        return agent._to_wire(v, [agent.VALUE_MAX_ITEMS, agent.VALUE_MAX_BYTES])
 
     def test_plain_data(self):
         v = {'a': [1, 2.5, None, True, 'x', b'\x00'], 'b': (1, 2)}
@@ -144,6 +144,8 @@ class Values(unittest.TestCase):
     def test_budget(self):
         with self.assertRaises(ValueError):
             self.wire(list(range(agent.VALUE_MAX_ITEMS + 5)))
+        with self.assertRaises(ValueError):
+            self.wire(['x' * (agent.VALUE_MAX_BYTES // 2)] * 3)
 
     def test_repr_is_bounded_and_safe(self):
         class Bad:

@@ -117,6 +117,8 @@ test('eval: values as data where possible, repr always', async () => {
   assert.is(big.repr, String(2n ** 100n));
   assert.is((await c.eval('2**62')).value, 2n ** 62n);
   assert.is((await c.eval('{1: 2}')).value, undefined, 'non-string keys: repr only');
+  const long = await c.eval('"y" * (30 << 20)');
+  assert.equal([long.value, long.type, long.repr.length < 300_000], [undefined, 'str', true], 'too big for a frame: clipped repr only');
 });
 
 test('eval: named contexts start empty and are separate', async () => {
@@ -138,6 +140,11 @@ test('eval: exceptions give type, message and a traceback of the cell', async ()
   assert.not.ok(r.exception!.traceback.includes('forkling_agent.py'), 'agent frames are hidden');
   const s = await c.eval('1 +');
   assert.is(s.exception?.type, 'SyntaxError');
+  const hostile = await c.eval('class E(Exception):\n    def __str__(self): raise RuntimeError("no")\n    def __repr__(self): raise RuntimeError("no")\nraise E()');
+  assert.is(hostile.exception?.type, '__main__.E');
+  assert.ok(hostile.exception?.message.includes('str failed'));
+  const huge = await c.eval('raise ValueError("x" * (20 << 20))');
+  assert.ok(huge.exception!.message.length < 300_000, 'long messages are clipped below the frame limit');
 });
 
 test('eval: stdout and stderr stream in order, while the eval runs, before the result', async () => {
