@@ -113,6 +113,48 @@ test('bad input gets error frames and the connection goes on', async () => {
   c.close();
 });
 
+test('fuzz: 1000 random frames never produce an internal error and the session goes on', async () => {
+  const c = await RawClient.open(srv.url, { token: TOKEN });
+  let seed = 12345;
+  const rnd = (n: number) => {
+    seed = (seed * 1103515245 + 12345) & 0x7fffffff;
+    return seed % n;
+  };
+  const pick = <T>(xs: T[]): T => xs[rnd(xs.length)] as T;
+  const values = (): unknown =>
+    pick<unknown>([null, true, -1, 0, 2 ** 33, 1.5, '', 'x'.repeat(rnd(300)), new Uint8Array(rnd(64)), [1, 'a'], { a: 1 }, sandbox, '../x']);
+  const ops = ['eval', 'exec', 'files.read', 'files.write', 'proc.wait', 'sandbox.kill', 'sandbox.fork', 'sandbox.setTimeout', 'hello', 'nope', 'restore'];
+  for (let i = 0; i < 1000; i++) {
+    const f: Frame = {};
+    if (rnd(10)) f.t = pick<unknown>(['req', 'req', 'req', 'ev', 'cancel', 'res', 'err', 7]);
+    if (rnd(10)) f.id = rnd(5) ? 10_000 + i : values();
+    if (rnd(10)) f.op = rnd(5) ? pick(ops) : values();
+    if (rnd(2)) f.sandbox = rnd(3) ? sandbox : values();
+    for (const k of ['code', 'path', 'argv', 'shell', 'n', 'timeoutMs', 'template', 'data', 'ev', 'procId']) {
+      if (!rnd(4)) f[k] = values();
+    }
+    if (f.op === 'sandbox.kill' || f.op === 'sandbox.setTimeout') f.sandbox = 'fuzz-target-does-not-exist';
+    if (f.op === 'sandbox.fork') f.n = 1 + rnd(300);
+    c.send(f);
+  }
+  c.send({ t: 'req', id: 99_999, op: 'eval', sandbox, code: '"after fuzz"' });
+  const codes = new Map<string, number>();
+  for (;;) {
+    const f = await c.next(30_000);
+    if (f.t === 'err') codes.set(f.code as string, (codes.get(f.code as string) ?? 0) + 1);
+    if (f.id === 99_999 && f.t !== 'ev') {
+      assert.is(f.value, 'after fuzz', JSON.stringify(f));
+      break;
+    }
+  }
+  assert.not.ok(codes.has('internal'), JSON.stringify([...codes]));
+  assert.ok((codes.get('bad_request') ?? 0) > 100, JSON.stringify([...codes]));
+  // sandboxes forked by the fuzz (a valid fork can happen) are cleaned up
+  const list = await c.request('sandbox.list');
+  for (const s of list.sandboxes as { id: string }[]) if (s.id !== sandbox) await c.request('sandbox.kill', { sandbox: s.id });
+  c.close();
+});
+
 test('duplicate ids while open are refused; ids are reusable after', async () => {
   const c = await RawClient.open(srv.url, { token: TOKEN });
   c.send({ t: 'req', id: 500, op: 'eval', sandbox, code: 'import time; time.sleep(0.3); 1' });
