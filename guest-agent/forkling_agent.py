@@ -341,6 +341,8 @@ class Connection:
             return self.finish_error(req_id, e2.code, e2.message, **e2.details)
         except MemoryError:
             return self.finish_error(req_id, 'resource_exhausted', 'out of memory')
+        except ValueError as e:  # e.g. an embedded NUL byte in a path, argv or env
+            return self.finish_error(req_id, 'bad_request', str(e))
         except Exception as e:
             log('op %s failed: %s' % (op, traceback.format_exc()))
             return self.finish_error(req_id, 'internal', '%s: %s' % (type(e).__name__, e))

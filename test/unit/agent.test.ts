@@ -268,6 +268,8 @@ test('exec: timeout kills the process group; missing command and cwd are errors'
   assert.ok(e.message.includes('no-such-command-xyz'));
   await rejects(c.exec(['ls'], { cwd: '/no/such/dir' }), 'not_found');
   await rejects(c.request('exec', { argv: ['ls'], shell: 'ls' }), 'bad_request');
+  await rejects(c.exec(['echo', 'a\0b']), 'bad_request');
+  await rejects(c.stat('/tmp/a\0b'), 'bad_request');
 });
 
 test('processes: background spawn with stdin, list, wait, signal, kill', async () => {
