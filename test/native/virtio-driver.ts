@@ -243,9 +243,7 @@ export class FakeDriver {
       onEvent: (k, v) => {
         if (k === 'interrupt') this.interrupts[v as number] = (this.interrupts[v as number] ?? 0) + 1;
         else this.failures.push(v as string);
-        const w = this.waiters;
-        this.waiters = [];
-        for (const f of w) f();
+        this.poke();
       },
     });
     this.memory = this.device.memory;
@@ -296,6 +294,13 @@ export class FakeDriver {
     const at = this.alloc(len, 16);
     if (data) this.bytes.set(data, at);
     return at;
+  }
+
+  /** Wakes `until`/`nextEvent` waiters as a device event would (for conditions that also depend on host sockets). */
+  poke(): void {
+    const w = this.waiters;
+    this.waiters = [];
+    for (const f of w) f();
   }
 
   /** Resolves at the next device event (interrupt or failure); rejects after timeoutMs. */

@@ -459,6 +459,15 @@ test('guest-initiated connection to <socket>_<port>; no listener means RST', asy
     g.send({ op: OP.REQUEST, srcPort: 7777, dstPort: 5000 });
     await g.recv(isOp(OP.RST, 5000), 'RST for a duplicate request');
     await closed(s);
+    // The host side writes its last bytes and closes at once: the bytes
+    // still arrive, then SHUTDOWN both ways.
+    g.send({ op: OP.REQUEST, srcPort: 7779, dstPort: 5000, bufAlloc: 65536 });
+    await g.recv(isOp(OP.RESPONSE, 5000), 'second OP_RESPONSE');
+    const s2 = await next();
+    s2.end('bye');
+    assert.is((await g.recv((p) => p.hdr.op === OP.RW && p.hdr.dstPort === 7779, 'last bytes')).data.toString(), 'bye');
+    const sd = await g.recv((p) => p.hdr.op === OP.SHUTDOWN && p.hdr.dstPort === 7779, 'SHUTDOWN');
+    assert.ok(sd.hdr.flags & SHUT_SEND);
     // Nobody listens on 5001.
     g.send({ op: OP.REQUEST, srcPort: 7778, dstPort: 5001 });
     const rst = await g.recv(isOp(OP.RST, 5001), 'RST for port 5001');
@@ -557,6 +566,74 @@ test('transport reset: event 0 to the guest, all connections dropped', async () 
     // New connections work afterwards.
     const again = await hostConnect(g, 4001);
     again.host.destroy();
+  } finally {
+    g.close();
+  }
+});
+
+test('bulk: 2 MiB each way through credit flow control, in order', async () => {
+  const g = new Guest(sockPath(), { memorySize: 16 << 20 });
+  try {
+    const GUEST_BUF = 256 * 1024;
+    const { host, hostPort } = await hostConnect(g, 4500, GUEST_BUF);
+    const size = 2 << 20;
+    const toGuest = Buffer.alloc(size);
+    const toHost = Buffer.alloc(size);
+    for (let i = 0; i < size; i++) {
+      toGuest[i] = (i * 31 + (i >> 11)) & 0xff;
+      toHost[i] = (i * 17 + (i >> 13)) & 0xff;
+    }
+    host.write(toGuest);
+    const fromGuest: Buffer[] = [];
+    let hostGot = 0;
+    host.on('data', (c: Buffer) => {
+      fromGuest.push(c);
+      hostGot += c.length;
+      g.d.poke(); // re-check the condition below
+    });
+    host.resume();
+    // The guest side: consume RW (granting credit as it goes, like Linux) and
+    // send its own data within the credit the device grants.
+    let got = Buffer.alloc(0);
+    let consumedSinceUpdate = 0;
+    let sent = 0;
+    let devBufAlloc = 0;
+    let devFwdCnt = 0;
+    await g.d.until(
+      () => {
+        g.pump();
+        for (const p of g.received.splice(0)) {
+          assert.is(p.hdr.dstPort, 4500);
+          devBufAlloc = p.hdr.bufAlloc;
+          devFwdCnt = p.hdr.fwdCnt;
+          if (p.hdr.op === OP.RW) {
+            got = Buffer.concat([got, p.data]);
+            consumedSinceUpdate += p.data.length;
+          }
+        }
+        if (consumedSinceUpdate >= 64 * 1024) {
+          g.send({ op: OP.CREDIT_UPDATE, srcPort: 4500, dstPort: hostPort, bufAlloc: GUEST_BUF, fwdCnt: got.length });
+          consumedSinceUpdate = 0;
+        }
+        while (sent < size && g.tx.freeCount >= 2) {
+          const credit = devBufAlloc - (sent - devFwdCnt);
+          const n = Math.min(65536, size - sent, credit);
+          if (n <= 0) break;
+          g.send({ op: OP.RW, srcPort: 4500, dstPort: hostPort, fwdCnt: got.length, bufAlloc: GUEST_BUF }, toHost.subarray(sent, sent + n));
+          sent += n;
+        }
+        if (got.length >= size && consumedSinceUpdate > 0) {
+          g.send({ op: OP.CREDIT_UPDATE, srcPort: 4500, dstPort: hostPort, bufAlloc: GUEST_BUF, fwdCnt: got.length });
+          consumedSinceUpdate = 0;
+        }
+        return got.length >= size && hostGot >= size;
+      },
+      'both transfers',
+      30_000,
+    );
+    assert.ok(got.equals(toGuest), 'host -> guest intact');
+    assert.ok(Buffer.concat(fromGuest).equals(toHost), 'guest -> host intact');
+    assert.is(g.d.device.failure(), null);
   } finally {
     g.close();
   }
