@@ -73,6 +73,8 @@ test('restore sets the hostname (in its UTS namespace) and adds entropy', async 
   assert.equal(r.hostname, { set: true });
   assert.equal(r.entropy, { added: true, bytes: 32 });
   assert.is(r.clock.set, false);
+  const again = await c.restore({ hostname: 'child-7', entropy: randomBytes(32), sandboxId: 'sb-7' });
+  assert.ok(again.durationUs < 1000, `restore took ${again.durationUs} us`);
   assert.is(text((await c.exec(['hostname'])).stdout).trim(), 'child-7');
   assert.is((await c.info()).hostname, 'child-7');
   assert.is(hostname(), hostBefore, 'the host kept its name');
