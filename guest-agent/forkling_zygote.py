@@ -268,17 +268,20 @@ def _setup_child(ch, sockdir, branch):
     upper, work, root = SCRATCH + '/upper', SCRATCH + '/work', SCRATCH + '/root'
     for d in (upper, work, root):
         os.mkdir(d, 0o755)
+    # A fork's lower layer is the zygote's frozen base; a sandbox booted
+    # straight from the image (no zygote) branches on the image itself.
+    base = BASE if os.path.isdir(BASE) else LAYERS + '/image'
     if branch:
-        copy_tree('/proc/self/fd/%d' % STATE['upper_fd'], upper)
+        copy_tree('/proc/self/fd/%d' % STATE['upper_fd'] if STATE['upper_fd'] is not None else LAYERS + '/upper', upper)
     # By path, not through base_fd: overlay clones its lower mount, which must
     # be in this mount namespace (an fd still names the parent's).
     mount('overlay', root, 'overlay', MS_NOSUID | MS_NODEV,
-          'lowerdir=%s,upperdir=%s,workdir=%s,userxattr' % (BASE, upper, work))
+          'lowerdir=%s,upperdir=%s,workdir=%s,userxattr' % (base, upper, work))
     mount('tmpfs', root + '/run', 'tmpfs', MS_NOSUID | MS_NODEV | MS_NOEXEC, 'mode=0755,size=16m')
     os.makedirs(root + RUN)
     os.makedirs(root + SCRATCH)
     os.makedirs(root + BASE)
-    mount(BASE, root + BASE, None, MS_BIND)  # read-only overlay: what this sandbox's branches build on
+    mount(base, root + BASE, None, MS_BIND)  # read-only: what this sandbox's branches build on
     mount(sockdir, root + RUN, None, MS_BIND)
     mount('proc', root + '/proc', 'proc', MS_NOSUID | MS_NODEV | MS_NOEXEC)
     dev = root + '/dev'

@@ -48,7 +48,8 @@ let addon: SandboxAddon | null = null;
 export function sandboxAddon(): SandboxAddon {
   if (!addon) {
     const req = createRequire(import.meta.url);
-    const mod = req(ADDON_PATH) as Partial<SandboxAddon>;
+    // FORKLING_ADDON: a private copy of the addon (a shared build directory is rebuilt from scratch by node-gyp).
+    const mod = req(process.env.FORKLING_ADDON || ADDON_PATH) as Partial<SandboxAddon>;
     if (typeof mod.sandboxLaunch !== 'function') {
       throw new Error(`the native addon at ${ADDON_PATH} has no sandboxLaunch: rebuild it with npm run build:native`);
     }

@@ -1,0 +1,271 @@
+// Resource limits for process-engine sandboxes: one cgroup per sandbox
+// (memory, pids, cpu; freezer for pause), under a directory per engine inside
+// the cgroup this process already runs in. cgroup v1 hierarchies are used
+// where the controllers are bound there (hybrid hosts), else cgroup v2 where
+// the controllers can be enabled below us; otherwise no limits, with one
+// warning that says why.
+import { mkdirSync, readdirSync, readFileSync, rmdirSync, writeFileSync } from 'node:fs';
+import { join } from 'node:path';
+
+export interface CgroupLimits {
+  memoryBytes: number;
+  pids: number;
+  /** CPU time in cores (1 = one core's worth per period). */
+  cpus: number;
+}
+
+export interface Cgroup {
+  name: string;
+  /** cgroup.procs of each hierarchy: write a pid to move that process in. */
+  procs: string[];
+  dirs: string[];
+}
+
+type Controller = 'memory' | 'pids' | 'cpu' | 'freezer';
+const WANTED: Controller[] = ['memory', 'pids', 'cpu', 'freezer'];
+
+interface MountInfo {
+  fstype: string;
+  mountPoint: string;
+  root: string;
+  superOptions: string[];
+}
+
+function mounts(): MountInfo[] {
+  const out: MountInfo[] = [];
+  for (const line of readFileSync('/proc/self/mountinfo', 'utf8').split('\n')) {
+    const dash = line.indexOf(' - ');
+    if (dash < 0) continue;
+    const pre = line.slice(0, dash).split(' ');
+    const post = line.slice(dash + 3).split(' ');
+    if (pre.length < 5 || post.length < 3) continue;
+    out.push({ fstype: post[0]!, mountPoint: unescapeMount(pre[4]!), root: unescapeMount(pre[3]!), superOptions: post[2]!.split(',') });
+  }
+  return out;
+}
+
+const unescapeMount = (s: string) => s.replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(Number.parseInt(o, 8)));
+
+/** This process's cgroup paths: v1 controller -> path, and '' -> the v2 path. */
+function ownCgroups(): Map<string, string> {
+  const m = new Map<string, string>();
+  for (const line of readFileSync('/proc/self/cgroup', 'utf8').split('\n')) {
+    const [, ctrls, path] = /^\d+:([^:]*):(.*)$/.exec(line) ?? [];
+    if (ctrls === undefined || path === undefined) continue;
+    if (ctrls === '') m.set('', path);
+    for (const c of ctrls.split(',')) if (c) m.set(c, path);
+  }
+  return m;
+}
+
+function under(mount: MountInfo, path: string): string {
+  // The mount shows the hierarchy from mount.root; our path is absolute in the hierarchy.
+  const rel = mount.root === '/' ? path : path.startsWith(mount.root) ? path.slice(mount.root.length) : path;
+  return join(mount.mountPoint, rel);
+}
+
+export class CgroupTree {
+  readonly mode: 'v1' | 'v2' | 'none';
+  /** Why there are no (or only some) limits; null when all is well. */
+  readonly warning: string | null;
+  private readonly v1: Map<Controller, string> = new Map(); // controller -> our engine dir
+  private v2dir: string | null = null;
+  private readonly roots: string[] = [];
+
+  constructor(tag: string) {
+    let warning: string | null = null;
+    let mode: 'v1' | 'v2' | 'none' = 'none';
+    try {
+      const ms = mounts();
+      const own = ownCgroups();
+      for (const c of WANTED) {
+        const m = ms.find((x) => x.fstype === 'cgroup' && x.superOptions.includes(c));
+        const path = own.get(c);
+        if (!m || path === undefined) continue;
+        const dir = join(under(m, path), tag);
+        try {
+          mkdirSync(dir, { recursive: true });
+          this.v1.set(c, dir);
+          this.roots.push(dir);
+        } catch (e) {
+          warning = `cannot create ${dir}: ${(e as NodeJS.ErrnoException).code}`;
+        }
+      }
+      if (this.v1.has('memory') || this.v1.has('pids')) {
+        mode = 'v1';
+        const missing = WANTED.filter((c) => c !== 'freezer' && !this.v1.has(c));
+        if (missing.length) warning = `cgroup v1 without ${missing.join(', ')}: those limits are off`;
+      } else {
+        const m2 = ms.find((x) => x.fstype === 'cgroup2');
+        const path = own.get('');
+        if (m2 && path !== undefined) {
+          const mine = under(m2, path);
+          const avail = readFileSync(join(mine, 'cgroup.controllers'), 'utf8').trim().split(/\s+/);
+          const want = ['memory', 'pids', 'cpu'].filter((c) => avail.includes(c));
+          if (want.length === 0) {
+            warning = `cgroup v2 at ${mine} offers none of memory, pids, cpu to us`;
+          } else {
+            const dir = join(mine, tag);
+            mkdirSync(dir, { recursive: true });
+            this.roots.push(dir);
+            try {
+              // Controllers reach our sandboxes only if enabled here and in our own cgroup.
+              writeFileSync(join(mine, 'cgroup.subtree_control'), want.map((c) => `+${c}`).join(' '));
+              writeFileSync(join(dir, 'cgroup.subtree_control'), want.map((c) => `+${c}`).join(' '));
+              this.v2dir = dir;
+              mode = 'v2';
+            } catch (e) {
+              warning =
+                `cgroup v2: cannot enable ${want.join(', ')} below ${mine} (${(e as NodeJS.ErrnoException).code}; ` +
+                'a cgroup with processes cannot delegate); run forkling in a delegated cgroup, e.g. ' +
+                '`systemd-run --scope -p Delegate=yes forkling ...`';
+            }
+          }
+        } else {
+          warning = warning ?? 'no usable cgroup hierarchy (v1 or v2) is mounted';
+        }
+      }
+    } catch (e) {
+      warning = `cgroups unavailable: ${(e as Error).message}`;
+    }
+    this.mode = mode;
+    this.warning = mode === 'none' ? `${warning ?? 'no cgroups'}; sandboxes run without memory, pids and cpu limits` : warning;
+  }
+
+  get canFreeze(): boolean {
+    return this.v1.has('freezer') || this.v2dir !== null;
+  }
+
+  /** A cgroup for one sandbox with its limits; null when the host gives us none. */
+  create(name: string, limits: CgroupLimits): Cgroup | null {
+    if (this.mode === 'none') return null;
+    const cg: Cgroup = { name, procs: [], dirs: [] };
+    try {
+      if (this.mode === 'v1') {
+        for (const [c, root] of this.v1) {
+          const dir = join(root, name);
+          mkdirSync(dir);
+          cg.dirs.push(dir);
+          cg.procs.push(join(dir, 'cgroup.procs'));
+          if (c === 'memory') writeFileSync(join(dir, 'memory.limit_in_bytes'), String(limits.memoryBytes));
+          if (c === 'pids') writeFileSync(join(dir, 'pids.max'), String(limits.pids));
+          if (c === 'cpu') {
+            writeFileSync(join(dir, 'cpu.cfs_period_us'), '100000');
+            writeFileSync(join(dir, 'cpu.cfs_quota_us'), String(Math.max(1000, Math.round(limits.cpus * 100000))));
+          }
+        }
+      } else if (this.v2dir) {
+        const dir = join(this.v2dir, name);
+        mkdirSync(dir);
+        cg.dirs.push(dir);
+        cg.procs.push(join(dir, 'cgroup.procs'));
+        const ctl = readFileSync(join(dir, 'cgroup.controllers'), 'utf8');
+        if (ctl.includes('memory')) {
+          writeFileSync(join(dir, 'memory.max'), String(limits.memoryBytes));
+          writeFileSync(join(dir, 'memory.swap.max'), '0');
+        }
+        if (ctl.includes('pids')) writeFileSync(join(dir, 'pids.max'), String(limits.pids));
+        if (ctl.includes('cpu')) writeFileSync(join(dir, 'cpu.max'), `${Math.max(1000, Math.round(limits.cpus * 100000))} 100000`);
+      }
+    } catch (e) {
+      this.removeNow(cg);
+      throw e;
+    }
+    return cg;
+  }
+
+  /** Moves a process (and later its children) into the cgroup. */
+  enter(cg: Cgroup, pid: number): void {
+    for (const f of cg.procs) writeFileSync(f, String(pid));
+  }
+
+  /** Host pids of every process in the cgroup. */
+  pids(cg: Cgroup): number[] {
+    const f = cg.procs[0];
+    if (!f) return [];
+    try {
+      return readFileSync(f, 'utf8')
+        .split('\n')
+        .filter(Boolean)
+        .map(Number);
+    } catch {
+      return [];
+    }
+  }
+
+  memoryBytes(cg: Cgroup): number | null {
+    for (const d of cg.dirs) {
+      for (const f of ['memory.usage_in_bytes', 'memory.current']) {
+        try {
+          return Number(readFileSync(join(d, f), 'utf8'));
+        } catch {}
+      }
+    }
+    return null;
+  }
+
+  /** Freezes (true) or thaws the cgroup; false when no freezer is available. */
+  freeze(cg: Cgroup, frozen: boolean): boolean {
+    if (this.mode === 'v1' && this.v1.has('freezer')) {
+      const d = cg.dirs.find((x) => x.startsWith(this.v1.get('freezer')!));
+      if (!d) return false;
+      writeFileSync(join(d, 'freezer.state'), frozen ? 'FROZEN' : 'THAWED');
+      return true;
+    }
+    if (this.mode === 'v2' && cg.dirs[0]) {
+      writeFileSync(join(cg.dirs[0], 'cgroup.freeze'), frozen ? '1' : '0');
+      return true;
+    }
+    return false;
+  }
+
+  /**
+   * Removes the cgroup once its processes are gone (they die asynchronously
+   * after their pid namespace's init: rmdir is retried until then).
+   */
+  async remove(cg: Cgroup, timeoutMs = 5000): Promise<void> {
+    const deadline = Date.now() + timeoutMs;
+    let wait = 1;
+    for (;;) {
+      const left = this.removeNow(cg);
+      if (left.length === 0) return;
+      if (Date.now() > deadline) throw new Error(`cgroup ${cg.name} still busy after ${timeoutMs} ms: ${left.join(', ')}`);
+      for (const pid of this.pids(cg)) {
+        try {
+          process.kill(pid, 'SIGKILL');
+        } catch {}
+      }
+      await new Promise((r) => setTimeout(r, wait));
+      wait = Math.min(wait * 2, 50);
+    }
+  }
+
+  private removeNow(cg: Cgroup): string[] {
+    const left: string[] = [];
+    for (const d of cg.dirs) {
+      try {
+        if (d.startsWith(this.v1.get('freezer') ?? '\0')) {
+          try {
+            writeFileSync(join(d, 'freezer.state'), 'THAWED');
+          } catch {}
+        }
+        rmdirSync(d);
+      } catch (e) {
+        if ((e as NodeJS.ErrnoException).code !== 'ENOENT') left.push(d);
+      }
+    }
+    return left;
+  }
+
+  /** Removes the engine's directories (after every sandbox cgroup is gone). */
+  close(): void {
+    for (const r of this.roots) {
+      try {
+        for (const e of readdirSync(r, { withFileTypes: true })) {
+          if (e.isDirectory()) rmdirSync(join(r, e.name));
+        }
+        rmdirSync(r);
+      } catch {}
+    }
+  }
+}

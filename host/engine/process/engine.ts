@@ -1,0 +1,544 @@
+// The process engine: where /dev/kvm is missing, a template is a warm agent
+// (the zygote) running as PID 1 of its own user, pid, mount, network, ipc,
+// uts and cgroup namespaces with the image's root filesystem as its root and
+// a seccomp filter (native/src/sandbox/launch.cc); a fork is fork() of that
+// agent (guest-agent/forkling_zygote.py): copy-on-write memory, a private
+// overlay layer, its own namespaces, its own cgroup. Same agent, same protocol
+// and client as a VM; weaker isolation (one shared kernel), said every time.
+import { randomBytes } from 'node:crypto';
+import { closeSync, createReadStream, existsSync, mkdirSync, readdirSync, readFileSync, rmSync, symlinkSync, unlinkSync } from 'node:fs';
+import { dirname, join } from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { type AgentClient, connectUnix } from '../../agent/client.ts';
+import { checkName, UserError } from '../../errors.ts';
+import { ensureImage } from '../../images.ts';
+import { storePath, writeFileAtomic } from '../../store.ts';
+import type { BootOptions, Engine, ExitInfo, Sandbox, SandboxStats, TemplateInfo, TemplateOptions } from '../engine.ts';
+import { type Cgroup, type CgroupLimits, CgroupTree } from './cgroups.ts';
+import { sandboxAddon } from './native.ts';
+import { makeEngineDir, newId } from './runtime.ts';
+
+export const PROCESS_ISOLATION =
+  'process engine: sandboxes are Linux namespaces (user, pid, mount, network, ipc, uts, cgroup) with seccomp and cgroup ' +
+  'limits on the host kernel; weaker than a VM: a kernel bug reachable from a sandbox reaches the host';
+
+const AGENT_DIR = join(dirname(dirname(dirname(dirname(fileURLToPath(import.meta.url))))), 'guest-agent');
+const PYTHON = '/usr/bin/python3';
+const SOCKET = 'agent.sock';
+const CONSOLE_LINES = 200;
+const DEFAULT_MEMORY_MIB = 512;
+const DEFAULT_PIDS = 512;
+
+export interface ProcessEngineOptions {
+  /** Called with warnings (e.g. no cgroup limits); default: console.error. */
+  warn?: (line: string) => void;
+  /** Maximum processes per sandbox (pids cgroup). Default 512. */
+  pidsPerSandbox?: number;
+  /** Resolves an image name to its unpacked root filesystem. Default: host/images.ts ensureImage(). */
+  rootfsOf?: (image: string) => Promise<string>;
+}
+
+/** A launched namespace root (zygote or cold-booted sandbox) and what the host holds for it. */
+interface Root {
+  pid: number;
+  keeperPid: number;
+  dir: string;
+  runDir: string;
+  console: string[];
+  cgroup: Cgroup | null;
+  keeperExited: Promise<void>;
+}
+
+interface Zygote extends Root {
+  info: TemplateInfo;
+  client: AgentClient;
+  limits: CgroupLimits;
+  dead: boolean;
+}
+
+function pushLine(ring: string[], line: string) {
+  ring.push(line);
+  if (ring.length > CONSOLE_LINES) ring.splice(0, ring.length - CONSOLE_LINES);
+}
+
+/** Host pids of the direct children of `pid` (any of its threads), by their pid in the namespace where `pid` lives. */
+function childrenByNsPid(pid: number): Map<number, number> {
+  const out = new Map<number, number>();
+  let tasks: string[] = [];
+  try {
+    tasks = readdirSync(`/proc/${pid}/task`);
+  } catch {
+    return out;
+  }
+  for (const t of tasks) {
+    let kids: string[] = [];
+    try {
+      kids = readFileSync(`/proc/${pid}/task/${t}/children`, 'utf8').split(' ').filter(Boolean);
+    } catch {
+      continue;
+    }
+    for (const k of kids) {
+      try {
+        const ns = /^NSpid:\s+(.*)$/m.exec(readFileSync(`/proc/${k}/status`, 'utf8'))?.[1]?.trim().split(/\s+/).map(Number);
+        // NSpid: host pid, then the pid in each nested namespace; the parent's
+        // namespace is the second to last (the child is 1 in its own).
+        if (ns && ns.length >= 3) out.set(ns[ns.length - 2]!, Number(k));
+      } catch {}
+    }
+  }
+  return out;
+}
+
+function privateKiB(pid: number): number {
+  try {
+    const s = readFileSync(`/proc/${pid}/smaps_rollup`, 'utf8');
+    let kib = 0;
+    for (const m of s.matchAll(/^Private_(?:Clean|Dirty|Hugetlb):\s+(\d+) kB$/gm)) kib += Number(m[1]);
+    return kib;
+  } catch {
+    return 0;
+  }
+}
+
+class ProcessSandbox implements Sandbox {
+  readonly engine = 'process' as const;
+  readonly console: string[] = [];
+  readonly exited: Promise<ExitInfo>;
+  private resolveExit!: (e: ExitInfo) => void;
+  killing = false;
+  private ended = false;
+
+  constructor(
+    readonly id: string,
+    readonly agent: AgentClient,
+    readonly timings: { startedAt: number; readyAt: number },
+    /** Host pid of the sandbox's PID 1 (its agent). */
+    readonly hostPid: number,
+    /** Host directory that is /run/forkling inside. */
+    readonly runDir: string,
+    readonly link: string,
+    readonly cgroup: Cgroup | null,
+    private readonly owner: ProcessEngine,
+    readonly template: string,
+    readonly limits: CgroupLimits,
+  ) {
+    this.exited = new Promise((r) => {
+      this.resolveExit = r;
+    });
+    // The engine's connection is the sandbox's lifeline: when it ends (the
+    // agent died, or it was closed), the sandbox is killed and cleaned up.
+    void agent.closed.then((why) => this.end(why.message));
+  }
+
+  async end(why: string): Promise<void> {
+    if (this.ended) return this.exited.then(() => {});
+    this.ended = true;
+    try {
+      process.kill(this.hostPid, 'SIGKILL'); // its pid namespace dies with it
+    } catch {}
+    this.agent.close();
+    const cleanup: string[] = [];
+    if (this.cgroup) {
+      try {
+        await this.owner.cgroups.remove(this.cgroup);
+      } catch (e) {
+        cleanup.push((e as Error).message);
+      }
+    }
+    try {
+      unlinkSync(this.link);
+    } catch {}
+    rmSync(this.runDir, { recursive: true, force: true });
+    this.owner.forget(this);
+    const info: ExitInfo = this.killing ? { reason: 'killed' } : { reason: 'crashed', message: why };
+    if (cleanup.length) info.message = `${info.message ? `${info.message}; ` : ''}cleanup: ${cleanup.join('; ')}`;
+    this.resolveExit(info);
+  }
+
+  async pause(): Promise<void> {
+    if (!(this.cgroup && this.owner.cgroups.freeze(this.cgroup, true))) process.kill(this.hostPid, 'SIGSTOP');
+  }
+
+  async resume(): Promise<void> {
+    if (!(this.cgroup && this.owner.cgroups.freeze(this.cgroup, false))) process.kill(this.hostPid, 'SIGCONT');
+  }
+
+  async kill(): Promise<void> {
+    this.killing = true;
+    await this.end('killed');
+  }
+
+  async stats(): Promise<SandboxStats> {
+    const pids = this.cgroup ? this.owner.cgroups.pids(this.cgroup) : [this.hostPid];
+    let kib = 0;
+    for (const p of pids) kib += privateKiB(p);
+    const counters: Record<string, number> = { processes: pids.length };
+    const mem = this.cgroup ? this.owner.cgroups.memoryBytes(this.cgroup) : null;
+    if (mem !== null) counters.cgroupMemoryBytes = mem;
+    return { privateKiB: kib, counters };
+  }
+}
+
+export class ProcessEngine implements Engine {
+  readonly name = 'process' as const;
+  readonly isolation = PROCESS_ISOLATION;
+  readonly cgroups: CgroupTree;
+  private readonly dir: string;
+  private readonly zygotes = new Map<string, Zygote>();
+  private readonly retired: Zygote[] = [];
+  private readonly creating = new Map<string, Promise<Zygote>>();
+  private readonly sandboxes = new Set<ProcessSandbox>();
+  private readonly booted = new Set<Root>();
+  private readonly warn: (line: string) => void;
+  private readonly rootfsOf: (image: string) => Promise<string>;
+  private readonly pidsPerSandbox: number;
+  private closed = false;
+  private readonly onExit = () => this.killAllNow();
+
+  constructor(opts: ProcessEngineOptions = {}) {
+    this.warn = opts.warn ?? ((l) => console.error(l));
+    this.rootfsOf = opts.rootfsOf ?? (async (image) => (await ensureImage(image)).rootfs);
+    this.pidsPerSandbox = opts.pidsPerSandbox ?? DEFAULT_PIDS;
+    sandboxAddon(); // fail early when the addon lacks the launcher
+    this.dir = makeEngineDir();
+    mkdirSync(join(this.dir, 'l'));
+    this.cgroups = new CgroupTree(`forkling-${this.dir.split('/').pop()}`);
+    if (this.cgroups.warning) this.warn(`forkling: ${this.cgroups.warning}`);
+    process.once('exit', this.onExit);
+  }
+
+  // ---------------------------------------------------------------- launching
+
+  private async launch(opts: {
+    rootfs: string;
+    role: 'zygote' | 'sandbox';
+    hostname: string;
+    limits: CgroupLimits;
+    cgName: string;
+    readyTimeoutMs?: number;
+  }): Promise<Root> {
+    const a = sandboxAddon();
+    const dir = join(this.dir, opts.cgName);
+    const stage = join(dir, 'stage');
+    const runDir = join(dir, 'run');
+    mkdirSync(stage, { recursive: true });
+    mkdirSync(runDir, { recursive: true });
+    const cgroup = this.cgroups.create(opts.cgName, opts.limits);
+    const [r, w] = a.sandboxPipe();
+    let launched: { pid: number; keeperPid: number };
+    try {
+      launched = a.sandboxLaunch({
+        rootfs: opts.rootfs,
+        stage,
+        runDir,
+        agentDir: AGENT_DIR,
+        hostname: opts.hostname,
+        argv: [PYTHON, '/run/forkling-agent/forkling_agent.py', '--unix', `/run/forkling/${SOCKET}`],
+        env: [
+          'PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin',
+          'HOME=/root',
+          'LANG=C.UTF-8',
+          'PYTHONDONTWRITEBYTECODE=1',
+          `FORKLING_PROCESS_ROLE=${opts.role}`,
+        ],
+        cgroupProcs: cgroup?.procs ?? [],
+        layerSizeMiB: Math.max(64, Math.round(opts.limits.memoryBytes / 2 ** 20)),
+        stdoutFd: w,
+        seccomp: true,
+      });
+    } catch (e) {
+      closeSync(r);
+      closeSync(w);
+      if (cgroup) await this.cgroups.remove(cgroup).catch(() => {});
+      rmSync(dir, { recursive: true, force: true });
+      const err = e as Error & { step?: string };
+      throw new UserError(
+        `cannot start a process-engine sandbox: ${err.message}`,
+        'the process engine needs user namespaces, overlayfs and /dev/kvm-free Linux >= 5.11; see `forkling doctor --engine process`',
+      );
+    }
+    closeSync(w);
+    const ring: string[] = [];
+    let ready!: () => void;
+    const readyLine = new Promise<void>((res) => {
+      ready = res;
+    });
+    let partial = '';
+    const stream = createReadStream('', { fd: r, encoding: 'utf8' });
+    stream.on('data', (d: string | Buffer) => {
+      partial += d.toString();
+      const lines = partial.split('\n');
+      partial = lines.pop() ?? '';
+      for (const l of lines) {
+        pushLine(ring, l);
+        if (l.startsWith('forkling-agent ready')) ready();
+      }
+    });
+    stream.on('error', () => {});
+    const keeperExited = a.sandboxWait(launched.keeperPid).then(
+      () => {},
+      () => {},
+    );
+    const root: Root = { ...launched, dir, runDir, console: ring, cgroup, keeperExited };
+    const timeoutMs = opts.readyTimeoutMs ?? 30000;
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    try {
+      await Promise.race([
+        readyLine,
+        keeperExited.then(() => {
+          throw new Error(`the agent exited before it was ready; its output:\n${ring.slice(-20).join('\n')}`);
+        }),
+        new Promise((_, rej) => {
+          timer = setTimeout(() => rej(new Error(`the agent was not ready within ${timeoutMs} ms`)), timeoutMs);
+        }),
+      ]);
+    } catch (e) {
+      await this.destroyRoot(root);
+      throw new UserError(`process-engine sandbox did not start: ${(e as Error).message}`);
+    } finally {
+      clearTimeout(timer);
+    }
+    return root;
+  }
+
+  private async destroyRoot(root: Root): Promise<void> {
+    try {
+      process.kill(root.pid, 'SIGKILL');
+    } catch {}
+    await root.keeperExited;
+    if (root.cgroup) await this.cgroups.remove(root.cgroup).catch((e: Error) => this.warn(`forkling: ${e.message}`));
+    rmSync(root.dir, { recursive: true, force: true });
+  }
+
+  private limitsFor(memoryMiB: number, vcpus: number): CgroupLimits {
+    return { memoryBytes: memoryMiB * 2 ** 20, pids: this.pidsPerSandbox, cpus: vcpus };
+  }
+
+  // ---------------------------------------------------------------- Engine
+
+  async boot(opts: BootOptions): Promise<Sandbox> {
+    this.checkOpen();
+    const startedAt = performance.now();
+    const rootfs = await this.rootfsOf(checkName('image', opts.image));
+    const id = newId();
+    const limits = this.limitsFor(opts.memoryMiB ?? DEFAULT_MEMORY_MIB, opts.vcpus ?? 1);
+    const root = await this.launch({ rootfs, role: 'sandbox', hostname: id, limits, cgName: `c-${id}`, readyTimeoutMs: opts.readyTimeoutMs });
+    for (const l of root.console) opts.onConsole?.(l);
+    this.booted.add(root);
+    const link = join(this.dir, 'l', id);
+    symlinkSync(root.runDir, link);
+    let agent: AgentClient;
+    try {
+      agent = await connectUnix(join(link, SOCKET));
+      await agent.restore({ entropy: randomBytes(64), hostname: id, sandboxId: id });
+    } catch (e) {
+      this.booted.delete(root);
+      await this.destroyRoot(root);
+      throw e;
+    }
+    const sb = new ProcessSandbox(id, agent, { startedAt, readyAt: performance.now() }, root.pid, root.runDir, link, root.cgroup, this, '', limits);
+    this.sandboxes.add(sb);
+    // Its root (keeper, cgroup, stage) goes when it ends.
+    void sb.exited.then(() => {
+      this.booted.delete(root);
+      return this.destroyRoot(root);
+    });
+    return sb;
+  }
+
+  async createTemplate(opts: TemplateOptions): Promise<TemplateInfo> {
+    this.checkOpen();
+    checkName('template', opts.name);
+    const info: TemplateInfo = {
+      name: opts.name,
+      engine: 'process',
+      image: checkName('image', opts.image),
+      createdAt: new Date().toISOString(),
+      memoryMiB: opts.memoryMiB ?? DEFAULT_MEMORY_MIB,
+      vcpus: opts.vcpus ?? 1,
+      ...(opts.warmup !== undefined ? { warmup: opts.warmup } : {}),
+    };
+    const z = await this.startZygote(info);
+    const old = this.zygotes.get(info.name);
+    if (old) this.retired.push(old); // its children live on; it goes at close()
+    this.zygotes.set(info.name, z);
+    writeFileAtomic(templateFile(info.name), `${JSON.stringify(info, null, 2)}\n`);
+    return info;
+  }
+
+  private async startZygote(info: TemplateInfo): Promise<Zygote> {
+    const rootfs = await this.rootfsOf(info.image);
+    const limits = this.limitsFor(info.memoryMiB, info.vcpus);
+    const root = await this.launch({ rootfs, role: 'zygote', hostname: 'zygote', limits, cgName: `z-${newId()}` });
+    let client: AgentClient;
+    try {
+      client = await connectUnix(join(root.runDir, SOCKET));
+    } catch (e) {
+      await this.destroyRoot(root);
+      throw e;
+    }
+    const z: Zygote = { ...root, info, client, limits, dead: false };
+    void client.closed.then(() => {
+      z.dead = true;
+      if (this.zygotes.get(info.name) === z) this.zygotes.delete(info.name);
+      return this.destroyRoot(z);
+    });
+    if (info.warmup) {
+      const r = await client.eval(info.warmup).catch((e: Error) => ({ exception: { type: 'Error', message: e.message, traceback: '' } }));
+      if ('exception' in r && r.exception) {
+        client.close();
+        await this.destroyRoot(z);
+        throw new UserError(
+          `the warm-up of template ${info.name} failed: ${r.exception.type}: ${r.exception.message}`,
+          r.exception.traceback ? r.exception.traceback.trim().split('\n').slice(-6).join('\n') : undefined,
+        );
+      }
+    }
+    return z;
+  }
+
+  /** The live zygote of a template: started from its saved definition (or `default`) when needed. */
+  private zygote(template: string): Promise<Zygote> {
+    const live = this.zygotes.get(template);
+    if (live && !live.dead) return Promise.resolve(live);
+    let p = this.creating.get(template);
+    if (!p) {
+      p = (async () => {
+        const file = templateFile(checkName('template', template));
+        let info: TemplateInfo;
+        if (existsSync(file)) info = JSON.parse(readFileSync(file, 'utf8')) as TemplateInfo;
+        else if (template === 'default') await this.createTemplate({ name: 'default', image: 'default' });
+        else throw new UserError(`template ${JSON.stringify(template)} does not exist`, 'create it: forkling template create <name> --image <image>');
+        const existing = this.zygotes.get(template);
+        if (existing && !existing.dead) return existing;
+        const z = await this.startZygote(info!);
+        this.zygotes.set(template, z);
+        return z;
+      })().finally(() => this.creating.delete(template));
+      this.creating.set(template, p);
+    }
+    return p;
+  }
+
+  async fork(template: string, n: number): Promise<Sandbox[]> {
+    this.checkOpen();
+    if (!Number.isInteger(n) || n < 1 || n > 1024) throw new UserError(`cannot fork ${n} children`, 'n must be an integer from 1 to 1024');
+    const z = await this.zygote(template);
+    return this.spawnChildren(z.client, z.pid, z.runDir, 's', n, z.limits, template);
+  }
+
+  async branch(source: Sandbox, n: number): Promise<Sandbox[]> {
+    this.checkOpen();
+    if (!(source instanceof ProcessSandbox) || !this.sandboxes.has(source)) {
+      throw new UserError('branch: the source is not a live sandbox of this process engine');
+    }
+    if (!Number.isInteger(n) || n < 1 || n > 1024) throw new UserError(`cannot branch ${n} children`, 'n must be an integer from 1 to 1024');
+    return this.spawnChildren(source.agent, source.hostPid, source.runDir, 'b', n, source.limits, source.template);
+  }
+
+  /** Asks `parent` (a zygote or a sandbox) for n forks; places, connects and restores each. */
+  private async spawnChildren(
+    parent: AgentClient,
+    parentPid: number,
+    parentRunDir: string,
+    sub: 's' | 'b',
+    n: number,
+    limits: CgroupLimits,
+    template: string,
+  ): Promise<Sandbox[]> {
+    const startedAt = performance.now();
+    const ids = Array.from({ length: n }, newId);
+    const op = sub === 's' ? 'fork' : 'branch';
+    const reply = parent.request(op, { children: ids.map((id) => ({ id, hostname: id })) });
+    // While the parent forks: the children's cgroups.
+    const cgroups = new Map<string, Cgroup | null>();
+    const made: ProcessSandbox[] = [];
+    try {
+      for (const id of ids) cgroups.set(id, this.cgroups.create(id, limits));
+      const res = await reply;
+      const byNs = childrenByNsPid(parentPid);
+      const failed = res.children.filter((c) => !c.ok);
+      const results = await Promise.allSettled(
+        res.children
+          .filter((c) => c.ok)
+          .map(async (c) => {
+            const hostPid = byNs.get(c.pid ?? -1);
+            if (!ids.includes(c.id) || hostPid === undefined) throw new Error(`child ${c.id}: no such process under the ${op} parent`);
+            const cg = cgroups.get(c.id) ?? null;
+            if (cg) this.cgroups.enter(cg, hostPid);
+            const runDir = join(parentRunDir, sub, c.id);
+            const link = join(this.dir, 'l', c.id);
+            symlinkSync(runDir, link);
+            let agent: AgentClient;
+            try {
+              agent = await connectUnix(join(link, SOCKET));
+              await agent.restore({ entropy: randomBytes(64), hostname: c.id, sandboxId: c.id });
+            } catch (e) {
+              try {
+                process.kill(hostPid, 'SIGKILL');
+              } catch {}
+              unlinkSync(link);
+              throw e;
+            }
+            const sb = new ProcessSandbox(c.id, agent, { startedAt, readyAt: performance.now() }, hostPid, runDir, link, cg, this, template, limits);
+            cgroups.delete(c.id);
+            this.sandboxes.add(sb);
+            made.push(sb);
+            return sb;
+          }),
+      );
+      const errors = [...failed.map((c) => `${c.id}: ${c.error ?? 'failed'}`), ...results.filter((r) => r.status === 'rejected').map((r) => String((r as PromiseRejectedResult).reason?.message ?? r))];
+      if (errors.length) throw new UserError(`${op}: ${errors.length} of ${n} children failed: ${errors.slice(0, 3).join('; ')}`);
+      return ids.map((id) => made.find((s) => s.id === id)!);
+    } catch (e) {
+      await Promise.all(made.map((s) => s.kill()));
+      await reply.catch(() => {});
+      for (const cg of cgroups.values()) if (cg) await this.cgroups.remove(cg).catch(() => {});
+      throw e;
+    }
+  }
+
+  forget(sb: ProcessSandbox): void {
+    this.sandboxes.delete(sb);
+  }
+
+  private checkOpen() {
+    if (this.closed) throw new Error('the process engine is closed');
+  }
+
+  /** Console lines of a template's zygote (the output of its warm-up and of every fork's stray prints). */
+  zygoteConsole(template: string): readonly string[] {
+    return this.zygotes.get(template)?.console ?? [];
+  }
+
+  /** Host pid of a template's zygote (tests, benchmarks). */
+  zygotePid(template: string): number | null {
+    return this.zygotes.get(template)?.pid ?? null;
+  }
+
+  async close(): Promise<void> {
+    if (this.closed) return;
+    this.closed = true;
+    await Promise.all([...this.sandboxes].map((s) => s.kill()));
+    const roots = [...this.zygotes.values(), ...this.retired];
+    this.zygotes.clear();
+    for (const z of roots) z.client.close();
+    await Promise.all([...roots, ...this.booted].map((r) => this.destroyRoot(r)));
+    this.cgroups.close();
+    rmSync(this.dir, { recursive: true, force: true });
+    process.removeListener('exit', this.onExit);
+  }
+
+  /** process 'exit': no more event loop; kill what we started (PDEATHSIG does the rest). */
+  private killAllNow(): void {
+    for (const r of [...this.zygotes.values(), ...this.retired, ...this.booted]) {
+      try {
+        process.kill(r.pid, 'SIGKILL');
+      } catch {}
+    }
+  }
+}
+
+function templateFile(name: string): string {
+  return storePath('process-templates', `${name}.json`);
+}

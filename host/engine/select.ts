@@ -1,0 +1,76 @@
+// Which engine runs sandboxes: `--engine kvm|process|auto` or $FORKLING_ENGINE
+// (the option wins). `auto` picks kvm where /dev/kvm opens read-write, else
+// process, and says which and why in one line; the process engine always
+// states its weaker isolation.
+import { closeSync, constants, openSync } from 'node:fs';
+import { UserError } from '../errors.ts';
+import type { Engine, EngineName } from './engine.ts';
+import { PROCESS_ISOLATION } from './process/engine.ts';
+
+export type EngineChoice = EngineName | 'auto';
+
+export interface EngineSelection {
+  name: EngineName;
+  /** The one line for people: which engine and why (and, for process, its isolation). */
+  line: string;
+}
+
+/** The choice from an option value, else $FORKLING_ENGINE, else auto; a UserError for anything else. */
+export function parseEngineChoice(option?: string, env: NodeJS.ProcessEnv = process.env): EngineChoice {
+  const raw = option ?? env.FORKLING_ENGINE ?? 'auto';
+  const v = raw.trim().toLowerCase();
+  if (v === 'kvm' || v === 'process' || v === 'auto') return v;
+  const from = option !== undefined ? '--engine' : 'FORKLING_ENGINE';
+  throw new UserError(`unknown engine ${JSON.stringify(raw)} (from ${from})`, 'use kvm, process or auto');
+}
+
+/** Whether /dev/kvm can be used: it opens read-write. `why` says what happened. */
+export function kvmUsable(path = '/dev/kvm'): { ok: boolean; why: string } {
+  try {
+    const fd = openSync(path, constants.O_RDWR);
+    closeSync(fd);
+    return { ok: true, why: `${path} is usable` };
+  } catch (e) {
+    const code = (e as NodeJS.ErrnoException).code ?? 'error';
+    const what =
+      code === 'ENOENT'
+        ? `${path} does not exist (no hardware virtualisation here, or the kvm module is not loaded)`
+        : code === 'EACCES' || code === 'EPERM'
+          ? `${path} is not accessible to this user (add it to the kvm group)`
+          : `${path} cannot be opened (${code})`;
+    return { ok: false, why: what };
+  }
+}
+
+/** Resolves a choice to an engine name and the line to print. Throws when kvm is asked for and unusable. */
+export function resolveEngine(choice: EngineChoice, kvm: { ok: boolean; why: string } = kvmUsable()): EngineSelection {
+  if (choice === 'kvm') {
+    if (!kvm.ok) throw new UserError(`the kvm engine cannot run: ${kvm.why}`, 'use --engine process (weaker isolation) or fix /dev/kvm');
+    return { name: 'kvm', line: 'forkling: engine kvm (chosen explicitly): sandboxes are microVMs' };
+  }
+  if (choice === 'process') {
+    return { name: 'process', line: `forkling: engine process (chosen explicitly); ${PROCESS_ISOLATION}` };
+  }
+  if (kvm.ok) return { name: 'kvm', line: `forkling: engine kvm (auto: ${kvm.why}): sandboxes are microVMs` };
+  return { name: 'process', line: `forkling: engine process (auto: ${kvm.why}); ${PROCESS_ISOLATION}` };
+}
+
+/**
+ * Opens the engine for an --engine value (or $FORKLING_ENGINE, or auto),
+ * printing the selection line (default: to stderr, so that stdout stays the
+ * command's own output).
+ */
+export async function openEngine(option?: string, opts: { log?: (line: string) => void } = {}): Promise<Engine> {
+  const sel = resolveEngine(parseEngineChoice(option));
+  (opts.log ?? ((l: string) => console.error(l)))(sel.line);
+  if (sel.name === 'process') {
+    const { ProcessEngine } = await import('./process/engine.ts');
+    return new ProcessEngine();
+  }
+  // The kvm engine's module (host/engine/kvm/engine.ts) exports createKvmEngine() or KvmEngine.
+  const spec = './kvm/engine.ts';
+  const mod = (await import(spec)) as { createKvmEngine?: () => Promise<Engine> | Engine; KvmEngine?: new () => Engine };
+  if (mod.createKvmEngine) return mod.createKvmEngine();
+  if (mod.KvmEngine) return new mod.KvmEngine();
+  throw new Error('host/engine/kvm/engine.ts exports neither createKvmEngine nor KvmEngine');
+}
