@@ -8,12 +8,15 @@ void InitSyscalls(Napi::Env env, Napi::Object exports);
 void InitVmmTesting(Napi::Env env, Napi::Object exports);
 // Process engine launcher (sandbox/launch.cc): namespaces, root, seccomp, exec.
 void InitSandbox(Napi::Env env, Napi::Object exports);
+// Snapshot file formats (snapshot_binding.cc, vmm/snapshot/): tested without KVM.
+void InitSnapshot(Napi::Env env, Napi::Object exports);
 }  // namespace forkling
 
 static Napi::Object Init(Napi::Env env, Napi::Object exports) {
   forkling::InitSyscalls(env, exports);
   forkling::InitVmmTesting(env, exports);
   forkling::InitSandbox(env, exports);
+  forkling::InitSnapshot(env, exports);
   return exports;
 }
 

@@ -1,0 +1,285 @@
+// Node binding of the snapshot file formats (native/src/vmm/snapshot/), so
+// they are tested without KVM: state-file sections, the sparse memory file
+// and its verification, pagemap accounting, and diff layers (write, open,
+// collapse, map over a base file).
+#include <napi.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <memory>
+#include <system_error>
+
+#include "errno_error.h"
+#include "mapping.h"
+#include "vmm/snapshot/checksum.h"
+#include "vmm/snapshot/diff_layer.h"
+#include "vmm/snapshot/memory_file.h"
+#include "vmm/snapshot/pagemap.h"
+#include "vmm/snapshot/state_file.h"
+
+namespace forkling {
+namespace {
+
+namespace ss = vmm::snapshot;
+
+// Runs fn, turning C++ exceptions into JS errors (CorruptError keeps
+// code 'ECORRUPT' so callers can tell a bad file from a failed syscall).
+template <class Fn>
+Napi::Value Guard(Napi::Env env, Fn fn) {
+  try {
+    return fn();
+  } catch (const ss::CorruptError& e) {
+    Napi::Error err = Napi::Error::New(env, e.what());
+    err.Set("code", Napi::String::New(env, "ECORRUPT"));
+    err.ThrowAsJavaScriptException();
+  } catch (const std::system_error& e) {
+    Napi::Error err = ErrnoError(env, e.what(), e.code().value());
+    err.ThrowAsJavaScriptException();
+  } catch (const std::exception& e) {
+    Napi::Error::New(env, e.what()).ThrowAsJavaScriptException();
+  }
+  return env.Undefined();
+}
+
+// Bytes of a Buffer/TypedArray/ArrayBuffer or a Mapping (address, length).
+bool Bytes(Napi::Value v, uint8_t** p, size_t* n) {
+  MappingView m;
+  if (GetMapping(v, &m)) {
+    *p = static_cast<uint8_t*>(m.addr);
+    *n = m.length;
+    return true;
+  }
+  if (v.IsArrayBuffer()) {
+    auto ab = v.As<Napi::ArrayBuffer>();
+    *p = static_cast<uint8_t*>(ab.Data());
+    *n = ab.ByteLength();
+    return true;
+  }
+  if (v.IsTypedArray()) {
+    auto ta = v.As<Napi::TypedArray>();
+    *p = static_cast<uint8_t*>(ta.ArrayBuffer().Data()) + ta.ByteOffset();
+    *n = ta.ByteLength();
+    return true;
+  }
+  return false;
+}
+
+std::vector<uint64_t> PageList(Napi::Env env, Napi::Value v) {
+  if (!v.IsArray()) throw std::invalid_argument("pages must be an array of page numbers");
+  auto a = v.As<Napi::Array>();
+  std::vector<uint64_t> out(a.Length());
+  for (uint32_t i = 0; i < a.Length(); i++) {
+    Napi::Value x = a.Get(i);
+    if (!x.IsNumber() || x.As<Napi::Number>().DoubleValue() < 0) throw std::invalid_argument("bad page number");
+    out[i] = uint64_t(x.As<Napi::Number>().Int64Value());
+  }
+  return out;
+}
+
+Napi::Array ToArray(Napi::Env env, const std::vector<uint64_t>& v) {
+  Napi::Array a = Napi::Array::New(env, v.size());
+  for (size_t i = 0; i < v.size(); i++) a.Set(uint32_t(i), Napi::Number::New(env, double(v[i])));
+  return a;
+}
+
+Napi::Object InfoToJs(Napi::Env env, const ss::MemoryFileInfo& i) {
+  Napi::Object o = Napi::Object::New(env);
+  o.Set("size", Napi::Number::New(env, double(i.size)));
+  o.Set("dataPages", Napi::Number::New(env, double(i.data_pages)));
+  o.Set("checksum", Napi::Number::New(env, i.checksum));
+  return o;
+}
+
+ss::MemoryFileInfo InfoFromJs(Napi::Value v) {
+  if (!v.IsObject()) throw std::invalid_argument("info must be an object");
+  auto o = v.As<Napi::Object>();
+  ss::MemoryFileInfo i;
+  i.size = uint64_t(o.Get("size").As<Napi::Number>().Int64Value());
+  i.data_pages = uint64_t(o.Get("dataPages").As<Napi::Number>().Int64Value());
+  i.checksum = o.Get("checksum").As<Napi::Number>().Uint32Value();
+  return i;
+}
+
+using LayerRef = std::shared_ptr<ss::DiffLayer>;
+
+Napi::Value WrapLayer(Napi::Env env, LayerRef layer) {
+  auto* holder = new LayerRef(std::move(layer));
+  Napi::Object o = Napi::Object::New(env);
+  o.Set("handle", Napi::External<LayerRef>::New(env, holder, [](Napi::Env, LayerRef* h) { delete h; }));
+  o.Set("pageCount", Napi::Number::New(env, double((*holder)->page_count())));
+  o.Set("runCount", Napi::Number::New(env, double((*holder)->runs().size())));
+  o.Set("ramSize", Napi::Number::New(env, double((*holder)->ram_size())));
+  return o;
+}
+
+std::vector<LayerRef> Chain(Napi::Value v) {
+  if (!v.IsArray()) throw std::invalid_argument("chain must be an array of diff layers");
+  auto a = v.As<Napi::Array>();
+  std::vector<LayerRef> out;
+  for (uint32_t i = 0; i < a.Length(); i++) {
+    Napi::Value x = a.Get(i);
+    if (!x.IsObject() || !x.As<Napi::Object>().Get("handle").IsExternal())
+      throw std::invalid_argument("chain must be an array of diff layers");
+    out.push_back(*x.As<Napi::Object>().Get("handle").As<Napi::External<LayerRef>>().Data());
+  }
+  return out;
+}
+
+int FdArg(const Napi::Value& v) {
+  if (!v.IsNumber()) throw std::invalid_argument("fd must be a number");
+  return v.As<Napi::Number>().Int32Value();
+}
+
+}  // namespace
+
+void InitSnapshot(Napi::Env env, Napi::Object exports) {
+  Napi::Object s = Napi::Object::New(env);
+  s.Set("crc32c", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
+    return Guard(info.Env(), [&]() -> Napi::Value {
+      uint8_t* p;
+      size_t n;
+      if (!Bytes(info[0], &p, &n)) throw std::invalid_argument("crc32c(bytes, seed?)");
+      uint32_t seed = info[1].IsNumber() ? info[1].As<Napi::Number>().Uint32Value() : 0;
+      return Napi::Number::New(info.Env(), ss::Crc32c(p, n, seed));
+    });
+  }));
+  s.Set("encodeStateFile", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
+    return Guard(info.Env(), [&]() -> Napi::Value {
+      if (!info[0].IsArray()) throw std::invalid_argument("encodeStateFile(sections)");
+      auto a = info[0].As<Napi::Array>();
+      std::vector<ss::Section> secs;
+      for (uint32_t i = 0; i < a.Length(); i++) {
+        auto o = a.Get(i).As<Napi::Object>();
+        ss::Section sec;
+        sec.tag = o.Get("tag").As<Napi::Number>().Uint32Value();
+        sec.index = o.Get("index").As<Napi::Number>().Uint32Value();
+        uint8_t* p;
+        size_t n;
+        if (!Bytes(o.Get("data"), &p, &n)) throw std::invalid_argument("section data must be bytes");
+        sec.data.assign(p, p + n);
+        secs.push_back(std::move(sec));
+      }
+      std::vector<uint8_t> b = ss::EncodeStateFile(secs);
+      return Napi::Buffer<uint8_t>::Copy(info.Env(), b.data(), b.size());
+    });
+  }));
+  s.Set("decodeStateFile", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
+    return Guard(info.Env(), [&]() -> Napi::Value {
+      uint8_t* p;
+      size_t n;
+      if (!Bytes(info[0], &p, &n) || !info[1].IsString()) throw std::invalid_argument("decodeStateFile(bytes, what)");
+      std::vector<ss::Section> secs = ss::DecodeStateFile(p, n, info[1].As<Napi::String>());
+      Napi::Array a = Napi::Array::New(info.Env(), secs.size());
+      for (size_t i = 0; i < secs.size(); i++) {
+        Napi::Object o = Napi::Object::New(info.Env());
+        o.Set("tag", Napi::Number::New(info.Env(), secs[i].tag));
+        o.Set("index", Napi::Number::New(info.Env(), secs[i].index));
+        o.Set("data", Napi::Buffer<uint8_t>::Copy(info.Env(), secs[i].data.data(), secs[i].data.size()));
+        a.Set(uint32_t(i), o);
+      }
+      return a;
+    });
+  }));
+  s.Set("writeMemoryFile", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
+    return Guard(info.Env(), [&]() -> Napi::Value {
+      uint8_t* p;
+      size_t n;
+      if (!Bytes(info[0], &p, &n) || !info[1].IsString())
+        throw std::invalid_argument("writeMemoryFile(bytes, path, srcFd?)");
+      int src = info[2].IsNumber() ? info[2].As<Napi::Number>().Int32Value() : -1;
+      return InfoToJs(info.Env(), ss::WriteMemoryFile(p, n, src, info[1].As<Napi::String>()));
+    });
+  }));
+  s.Set("scanMemoryFile", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
+    return Guard(info.Env(), [&]() -> Napi::Value {
+      return InfoToJs(info.Env(), ss::ScanMemoryFile(info[0].As<Napi::String>(), info[1].As<Napi::String>()));
+    });
+  }));
+  s.Set("verifyMemoryFile", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
+    return Guard(info.Env(), [&]() -> Napi::Value {
+      ss::VerifyMemoryFile(info[0].As<Napi::String>(), InfoFromJs(info[1]), info[2].As<Napi::String>());
+      return info.Env().Undefined();
+    });
+  }));
+  s.Set("clearVerifyCache", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
+    ss::ClearVerifyCache();
+    return info.Env().Undefined();
+  }));
+  s.Set("pageCounts", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
+    return Guard(info.Env(), [&]() -> Napi::Value {
+      uint8_t* p;
+      size_t n;
+      if (!Bytes(info[0], &p, &n)) throw std::invalid_argument("pageCounts(mapping)");
+      ss::PageCounts c = ss::CountPages(p, n);
+      Napi::Object o = Napi::Object::New(info.Env());
+      o.Set("private", Napi::Number::New(info.Env(), double(c.private_pages)));
+      o.Set("shared", Napi::Number::New(info.Env(), double(c.shared_pages)));
+      return o;
+    });
+  }));
+  s.Set("privatePages", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
+    return Guard(info.Env(), [&]() -> Napi::Value {
+      uint8_t* p;
+      size_t n;
+      if (!Bytes(info[0], &p, &n)) throw std::invalid_argument("privatePages(mapping)");
+      return ToArray(info.Env(), ss::PrivatePages(p, n));
+    });
+  }));
+  s.Set("fillGaps", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
+    return Guard(info.Env(), [&]() -> Napi::Value {
+      return ToArray(info.Env(), ss::FillGaps(PageList(info.Env(), info[0]), info[1].As<Napi::Number>().Uint32Value()));
+    });
+  }));
+  s.Set("writeDiff", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
+    return Guard(info.Env(), [&]() -> Napi::Value {
+      uint8_t* p;
+      size_t n;
+      if (!Bytes(info[1], &p, &n)) throw std::invalid_argument("writeDiff(fd, memory, pages, dataChecksum?)");
+      std::vector<uint64_t> pages = PageList(info.Env(), info[2]);
+      for (uint64_t pg : pages)
+        if (pg >= n / ss::kPageSize) throw std::invalid_argument("page outside the memory");
+      ss::WriteDiff(FdArg(info[0]), p, n, pages, !info[3].IsBoolean() || info[3].As<Napi::Boolean>().Value());
+      return info.Env().Undefined();
+    });
+  }));
+  s.Set("openDiff", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
+    return Guard(info.Env(), [&]() -> Napi::Value {
+      // The layer takes its own descriptor; the caller keeps (and closes) theirs.
+      int fd = dup(FdArg(info[0]));
+      if (fd < 0) throw std::system_error(errno, std::generic_category(), "dup");
+      return WrapLayer(info.Env(), ss::DiffLayer::Open(fd, info[1].As<Napi::String>()));
+    });
+  }));
+  s.Set("diffPages", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
+    return Guard(info.Env(), [&]() -> Napi::Value {
+      Napi::Array one = Napi::Array::New(info.Env(), 1);
+      one.Set(0u, info[0]);
+      std::vector<LayerRef> c = Chain(one);
+      return ToArray(info.Env(), c[0]->Pages());
+    });
+  }));
+  s.Set("collapseDiffs", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
+    return Guard(info.Env(), [&]() -> Napi::Value {
+      ss::CollapseDiffs(Chain(info[0]), FdArg(info[1]));
+      return info.Env().Undefined();
+    });
+  }));
+  s.Set("mapLayered", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
+    return Guard(info.Env(), [&]() -> Napi::Value {
+      uint64_t size = uint64_t(info[1].As<Napi::Number>().Int64Value());
+      uint8_t* p = ss::MapLayered(FdArg(info[0]), size, Chain(info[2]));
+      return Napi::ArrayBuffer::New(info.Env(), p, size, [](Napi::Env, void* d, size_t* sz) {
+        munmap(d, *sz);
+        delete sz;
+      }, new size_t(size));
+    });
+  }));
+  s.Set("createTempDiffFile", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
+    return Guard(info.Env(), [&]() -> Napi::Value {
+      return Napi::Number::New(info.Env(), ss::CreateTempDiffFile(info[0].As<Napi::String>()));
+    });
+  }));
+  exports.Set("snapshot", s);
+}
+
+}  // namespace forkling
