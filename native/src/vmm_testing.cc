@@ -262,12 +262,7 @@ class VirtioTestDevice : public Napi::ObjectWrap<VirtioTestDevice> {
       queues.push_back(q);
     }
     uint64_t features = ToU64(env, info[1], "driverFeatures");
-    VirtioDevice::NotifyGuest notify;
-    if (has_tsfn_) {
-      Napi::ThreadSafeFunction tsfn = tsfn_;
-      notify = [tsfn](uint16_t q) mutable { tsfn.NonBlockingCall(new DeviceEvent{false, q, {}}, CallJs); };
-    }
-    dev->Activate(mem_, queues, features, std::move(notify));
+    dev->Activate(mem_, queues, features, MakeNotify());
     return env.Undefined();
   }
   Napi::Value Notify(const Napi::CallbackInfo& info) {
@@ -318,62 +313,85 @@ class VirtioTestDevice : public Napi::ObjectWrap<VirtioTestDevice> {
     Vsock(info.Env())->Resume();
     return info.Env().Undefined();
   }
+  static Napi::Object QueueStateToJs(Napi::Env env, const vmm::Virtqueue::State& q) {
+    Napi::Object qo = Napi::Object::New(env);
+    qo.Set("size", Napi::Number::New(env, q.config.size));
+    qo.Set("ready", Napi::Boolean::New(env, q.config.ready));
+    qo.Set("desc", Napi::BigInt::New(env, q.config.desc));
+    qo.Set("driver", Napi::BigInt::New(env, q.config.driver));
+    qo.Set("device", Napi::BigInt::New(env, q.config.device));
+    qo.Set("lastAvail", Napi::Number::New(env, q.last_avail));
+    qo.Set("nextUsed", Napi::Number::New(env, q.next_used));
+    return qo;
+  }
+  static vmm::Virtqueue::State QueueStateFromJs(Napi::Env env, const Napi::Value& e) {
+    if (!e.IsObject()) throw Napi::TypeError::New(env, "each queue state must be an object");
+    Napi::Object q = e.As<Napi::Object>();
+    vmm::Virtqueue::State qs;
+    qs.config.size = static_cast<uint16_t>(ToUint(env, q.Get("size"), "queue size", 0xFFFF));
+    qs.config.ready = q.Get("ready").ToBoolean();
+    qs.config.desc = ToU64(env, q.Get("desc"), "queue desc");
+    qs.config.driver = ToU64(env, q.Get("driver"), "queue driver");
+    qs.config.device = ToU64(env, q.Get("device"), "queue device");
+    qs.last_avail = static_cast<uint16_t>(ToUint(env, q.Get("lastAvail"), "lastAvail", 0xFFFF));
+    qs.next_used = static_cast<uint16_t>(ToUint(env, q.Get("nextUsed"), "nextUsed", 0xFFFF));
+    return qs;
+  }
+  VirtioDevice::NotifyGuest MakeNotify() {
+    if (!has_tsfn_) return nullptr;
+    Napi::ThreadSafeFunction tsfn = tsfn_;
+    return [tsfn](uint16_t q) mutable { tsfn.NonBlockingCall(new DeviceEvent{false, q, {}}, CallJs); };
+  }
+
   // The snapshot state as a plain object (64-bit values as bigint).
   Napi::Value SaveState(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
-    VirtioVsock::State st = Vsock(env)->SaveState();
+    Dev(env);
     Napi::Object o = Napi::Object::New(env);
+    if (!vsock_) {
+      vmm::VirtioRng::State st = static_cast<vmm::VirtioRng*>(dev_.get())->SaveState();
+      o.Set("active", Napi::Boolean::New(env, st.active));
+      o.Set("driverFeatures", Napi::BigInt::New(env, st.driver_features));
+      Napi::Array qs = Napi::Array::New(env, 1);
+      qs.Set(0u, QueueStateToJs(env, st.queue));
+      o.Set("queues", qs);
+      return o;
+    }
+    VirtioVsock::State st = vsock_->SaveState();
     o.Set("guestCid", Napi::BigInt::New(env, st.guest_cid));
     o.Set("active", Napi::Boolean::New(env, st.active));
     o.Set("driverFeatures", Napi::BigInt::New(env, st.driver_features));
     o.Set("nextHostPort", Napi::Number::New(env, st.next_host_port));
     Napi::Array qs = Napi::Array::New(env, 3);
-    for (uint32_t i = 0; i < 3; i++) {
-      const vmm::Virtqueue::State& q = st.queues[i];
-      Napi::Object qo = Napi::Object::New(env);
-      qo.Set("size", Napi::Number::New(env, q.config.size));
-      qo.Set("ready", Napi::Boolean::New(env, q.config.ready));
-      qo.Set("desc", Napi::BigInt::New(env, q.config.desc));
-      qo.Set("driver", Napi::BigInt::New(env, q.config.driver));
-      qo.Set("device", Napi::BigInt::New(env, q.config.device));
-      qo.Set("lastAvail", Napi::Number::New(env, q.last_avail));
-      qo.Set("nextUsed", Napi::Number::New(env, q.next_used));
-      qs.Set(i, qo);
-    }
+    for (uint32_t i = 0; i < 3; i++) qs.Set(i, QueueStateToJs(env, st.queues[i]));
     o.Set("queues", qs);
     return o;
   }
   Napi::Value RestoreState(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
-    VirtioVsock* v = Vsock(env);
+    Dev(env);
     if (!info[0].IsObject()) throw Napi::TypeError::New(env, "state must be an object from saveState()");
     Napi::Object o = info[0].As<Napi::Object>();
+    const uint32_t nq = vsock_ ? 3 : 1;
+    Napi::Value qv = o.Get("queues");
+    if (!qv.IsArray() || qv.As<Napi::Array>().Length() != nq)
+      throw Napi::TypeError::New(env, "state.queues must have " + std::to_string(nq) + " entries");
+    Napi::Array qa = qv.As<Napi::Array>();
+    if (!vsock_) {
+      vmm::VirtioRng::State st;
+      st.active = o.Get("active").ToBoolean();
+      st.driver_features = ToU64(env, o.Get("driverFeatures"), "driverFeatures");
+      st.queue = QueueStateFromJs(env, qa.Get(0u));
+      static_cast<vmm::VirtioRng*>(dev_.get())->RestoreState(mem_, st, MakeNotify());
+      return env.Undefined();
+    }
     VirtioVsock::State st;
     st.guest_cid = ToU64(env, o.Get("guestCid"), "guestCid");
     st.active = o.Get("active").ToBoolean();
     st.driver_features = ToU64(env, o.Get("driverFeatures"), "driverFeatures");
     st.next_host_port = static_cast<uint32_t>(ToUint(env, o.Get("nextHostPort"), "nextHostPort", UINT32_MAX));
-    Napi::Value qv = o.Get("queues");
-    if (!qv.IsArray() || qv.As<Napi::Array>().Length() != 3) throw Napi::TypeError::New(env, "state.queues must have 3 entries");
-    for (uint32_t i = 0; i < 3; i++) {
-      Napi::Value e = qv.As<Napi::Array>().Get(i);
-      if (!e.IsObject()) throw Napi::TypeError::New(env, "each queue state must be an object");
-      Napi::Object q = e.As<Napi::Object>();
-      vmm::Virtqueue::State& qs = st.queues[i];
-      qs.config.size = static_cast<uint16_t>(ToUint(env, q.Get("size"), "queue size", 0xFFFF));
-      qs.config.ready = q.Get("ready").ToBoolean();
-      qs.config.desc = ToU64(env, q.Get("desc"), "queue desc");
-      qs.config.driver = ToU64(env, q.Get("driver"), "queue driver");
-      qs.config.device = ToU64(env, q.Get("device"), "queue device");
-      qs.last_avail = static_cast<uint16_t>(ToUint(env, q.Get("lastAvail"), "lastAvail", 0xFFFF));
-      qs.next_used = static_cast<uint16_t>(ToUint(env, q.Get("nextUsed"), "nextUsed", 0xFFFF));
-    }
-    VirtioDevice::NotifyGuest notify;
-    if (has_tsfn_) {
-      Napi::ThreadSafeFunction tsfn = tsfn_;
-      notify = [tsfn](uint16_t q) mutable { tsfn.NonBlockingCall(new DeviceEvent{false, q, {}}, CallJs); };
-    }
-    v->RestoreState(mem_, st, std::move(notify));
+    for (uint32_t i = 0; i < 3; i++) st.queues[i] = QueueStateFromJs(env, qa.Get(i));
+    vsock_->RestoreState(mem_, st, MakeNotify());
     return env.Undefined();
   }
   Napi::Value Close(const Napi::CallbackInfo& info) {

@@ -68,8 +68,9 @@ export interface VirtioTestDevice {
   /** vsock snapshot support */
   pause(): void;
   resume(): void;
+  /** VsockState for vsock; for rng only active, driverFeatures and queues */
   saveState(): VsockState;
-  restoreState(state: VsockState): void;
+  restoreState(state: VsockState | Pick<VsockState, 'active' | 'driverFeatures' | 'queues'>): void;
   close(): void;
 }
 

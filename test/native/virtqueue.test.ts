@@ -163,6 +163,42 @@ test('a queue that is not ready is ignored', () => {
   }
 });
 
+test('snapshot: a device restored over a copy of guest memory continues the ring (rng)', () => {
+  const a = rng();
+  const b = rng();
+  try {
+    const [q] = a.setup([8]);
+    for (let i = 0; i < 3; i++) q!.addChain([{ addr: a.buffer(16), len: 16, write: true }]);
+    q!.kick();
+    assert.is(q!.takeUsed().length, 3);
+    const state = a.device.saveState();
+    assert.is(state.active, true);
+    assert.is(state.queues[0]!.lastAvail, 3);
+    assert.is(state.queues[0]!.nextUsed, 3);
+    // The "child": its own RAM, a copy of the parent's.
+    b.bytes.set(a.bytes);
+    b.device.restoreState(state);
+    // Post a fourth chain in the child by hand, at ring slot 3.
+    const buf = 0x30000;
+    const v = b.view;
+    v.setBigUint64(q!.descAddr + 16 * 5, BigInt(buf), true);
+    v.setUint32(q!.descAddr + 16 * 5 + 8, 32, true);
+    v.setUint16(q!.descAddr + 16 * 5 + 12, DESC_F_WRITE, true);
+    v.setUint16(q!.availAddr + 4 + 2 * 3, 5, true);
+    v.setUint16(q!.availAddr + 2, 4, true);
+    b.device.notify(0);
+    assert.is(v.getUint16(q!.usedAddr + 2, true), 4, 'child used idx continues from 3');
+    assert.is(v.getUint32(q!.usedAddr + 4 + 8 * 3, true), 5);
+    assert.is(v.getUint32(q!.usedAddr + 4 + 8 * 3 + 4, true), 32);
+    assert.not.ok(allZero(b.bytes.subarray(buf, buf + 32)));
+    assert.ok(allZero(a.bytes.subarray(buf, buf + 32)), 'the parent memory is untouched');
+    assert.is(a.q(0).usedIdx(), 3);
+  } finally {
+    a.close();
+    b.close();
+  }
+});
+
 // ---- hostile queue layouts ---------------------------------------------------
 
 const badLayouts: [string, { size: number; desc: number | bigint; driver: number | bigint; device: number | bigint }, RegExp][] = [

@@ -18,6 +18,7 @@ void VirtioRng::Activate(const GuestMemory& mem, const std::vector<QueueConfig>&
   QueueConfig cfg = queues.empty() ? QueueConfig() : queues[0];
   std::string err = queue_.Init(mem, cfg, kQueueSize, (driver_features & kVirtioFIndirectDesc) != 0, "virtio-rng queue");
   notify_ = std::move(notify_guest);
+  driver_features_ = driver_features;
   active_ = err.empty();
   if (!err.empty()) Fail(err);
 }
@@ -59,14 +60,29 @@ void VirtioRng::QueueNotify(uint16_t queue) {
 void VirtioRng::Reset() {
   std::lock_guard<std::mutex> l(mu_);
   active_ = false;
+  driver_features_ = 0;
   queue_.Clear();
   notify_ = nullptr;
   ClearFailure();
 }
 
-Virtqueue::State VirtioRng::SaveQueue() const {
+VirtioRng::State VirtioRng::SaveState() const {
   std::lock_guard<std::mutex> l(mu_);
-  return queue_.state();
+  return State{active_, driver_features_, queue_.state()};
+}
+
+void VirtioRng::RestoreState(const GuestMemory& mem, const State& state, NotifyGuest notify_guest) {
+  std::lock_guard<std::mutex> l(mu_);
+  ClearFailure();
+  queue_.Clear();
+  active_ = false;
+  driver_features_ = state.driver_features;
+  notify_ = std::move(notify_guest);
+  if (!state.active) return;
+  std::string err = queue_.Restore(mem, state.queue, kQueueSize, (state.driver_features & kVirtioFIndirectDesc) != 0,
+                                   "virtio-rng queue");
+  active_ = err.empty();
+  if (!err.empty()) Fail(err);
 }
 
 }  // namespace forkling::vmm

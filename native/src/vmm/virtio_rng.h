@@ -27,11 +27,20 @@ class VirtioRng : public VirtioDevice {
   void QueueNotify(uint16_t queue) override;
   void Reset() override;
 
-  Virtqueue::State SaveQueue() const;
+  // Snapshot support: the ring positions (with the vCPUs paused, the device
+  // is idle: it only works inside QueueNotify), and activation from them.
+  struct State {
+    bool active = false;
+    uint64_t driver_features = 0;
+    Virtqueue::State queue;
+  };
+  State SaveState() const;
+  void RestoreState(const GuestMemory& mem, const State& state, NotifyGuest notify_guest);
 
  private:
   mutable std::mutex mu_;
   bool active_ = false;
+  uint64_t driver_features_ = 0;
   Virtqueue queue_;
   NotifyGuest notify_;
   DescriptorChain chain_;
