@@ -148,7 +148,9 @@ class VirtioVsock : public VirtioDevice {
   // else; SaveState (paused) gives the ring positions; Resume restarts the
   // loop. RestoreState activates the device from a saved state over (a copy
   // of) the guest memory, with no connections, and sends the guest a
-  // transport reset so it forgets its connections too.
+  // transport reset so it forgets its connections too (and re-reads the
+  // config: this device's own CID counts, state.guest_cid is informational).
+  // A saved state is checked like a driver's layout: a bad one fails the device.
   void Pause();
   void Resume();
   State SaveState() const;
