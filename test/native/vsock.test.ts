@@ -402,6 +402,24 @@ test('host end: SHUTDOWN(SEND) to the guest, then the guest close ends the conne
   }
 });
 
+test('a host that connects before the driver is up is served once it is', async () => {
+  const g = new Guest(sockPath());
+  try {
+    g.d.device.reset(); // as after a guest reboot: not active
+    const host = await connectHost(g.socketPath);
+    host.write('CONNECT 1500\n');
+    assert.ok(g.d.device.sync(1000));
+    g.activate();
+    const req = await g.recv(isOp(OP.REQUEST), 'OP_REQUEST after activation');
+    assert.is(req.hdr.dstPort, 1500);
+    g.send({ op: OP.RESPONSE, srcPort: 1500, dstPort: req.hdr.srcPort });
+    assert.is(await readLine(host), `OK ${req.hdr.srcPort}\n`);
+    host.destroy();
+  } finally {
+    g.close();
+  }
+});
+
 test('the guest refuses (RST): the host connection closes without OK', async () => {
   const g = new Guest(sockPath());
   try {
