@@ -1,0 +1,73 @@
+// The legacy PC devices the stock Linux kernel looks for: an 8250/16550A UART
+// (the console), an i8042 keyboard controller (only so that `reboot=k` can
+// reset the machine), and a CMOS RTC (so the rtc driver and the wall clock
+// read sane values). Each is a plain state machine over port offsets, driven
+// by the VM's I/O dispatch (under its lock) and by tests without KVM.
+#pragma once
+#include <cstdint>
+#include <deque>
+#include <functional>
+
+namespace forkling::vmm {
+
+class Uart8250 {
+ public:
+  using IrqPulse = std::function<void()>;
+  using Output = std::function<void(uint8_t)>;
+
+  Uart8250(IrqPulse irq, Output out) : irq_(std::move(irq)), out_(std::move(out)) {}
+
+  // offset 0..7 from the base port.
+  uint8_t Read(uint8_t offset);
+  void Write(uint8_t offset, uint8_t value);
+  // Bytes for the guest to read (host input); raises the receive interrupt.
+  void Input(const uint8_t* data, size_t len);
+
+  // Register numbers and bits (the 8250 data sheet names).
+  enum : uint8_t { kData = 0, kIer = 1, kIir = 2, kLcr = 3, kMcr = 4, kLsr = 5, kMsr = 6, kScr = 7 };
+  static constexpr uint8_t kIerRdi = 0x01, kIerThri = 0x02;
+  static constexpr uint8_t kIirNone = 0x01, kIirThri = 0x02, kIirRdi = 0x04, kIirFifo = 0xc0;
+  static constexpr uint8_t kLcrDlab = 0x80;
+  static constexpr uint8_t kMcrLoop = 0x10;
+  static constexpr uint8_t kLsrDr = 0x01, kLsrThre = 0x20, kLsrTemt = 0x40;
+  static constexpr size_t kInputMax = 4096;
+
+ private:
+  uint8_t Iir() const;
+  void MaybeInterrupt(bool newly);
+
+  IrqPulse irq_;
+  Output out_;
+  uint8_t ier_ = 0, lcr_ = 0, mcr_ = 0x08 /*OUT2*/, scr_ = 0, dll_ = 0x0c, dlm_ = 0;
+  bool thre_pending_ = false;  // THR-empty interrupt owed until IIR is read or THR written
+  std::deque<uint8_t> rx_;
+};
+
+class I8042 {
+ public:
+  using Reset = std::function<void()>;
+  explicit I8042(Reset reset) : reset_(std::move(reset)) {}
+  // port 0x60 (data) or 0x64 (status/command).
+  uint8_t Read(uint16_t port);
+  void Write(uint16_t port, uint8_t value);
+
+ private:
+  Reset reset_;
+  uint8_t ctr_ = 0x45;  // kbd interrupt, system flag, translate (what firmware leaves)
+  uint8_t outp_ = 0x01;
+  uint8_t pending_cmd_ = 0;
+  std::deque<uint8_t> out_;
+};
+
+class CmosRtc {
+ public:
+  // port 0x70 (index) or 0x71 (data). Time registers read the host's UTC clock.
+  uint8_t Read(uint16_t port);
+  void Write(uint16_t port, uint8_t value);
+
+ private:
+  uint8_t index_ = 0;
+  uint8_t ram_[128] = {};
+};
+
+}  // namespace forkling::vmm

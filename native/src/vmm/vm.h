@@ -1,0 +1,144 @@
+// One KVM virtual machine in the host process: guest RAM, the in-kernel
+// irqchip and PIT, the legacy devices, PCI with virtio-vsock and virtio-rng,
+// and one thread per vCPU running KVM_RUN. Every exit is handled here in C++;
+// the owner hears about what matters (console lines, the VM stopping, device
+// failures) through an event callback, called from vCPU or device threads,
+// never once per exit for anything but console lines (which it batches).
+#pragma once
+#include <linux/kvm.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "vmm/guest_ram.h"
+#include "vmm/legacy_devices.h"
+#include "vmm/pci.h"
+
+namespace forkling::vmm {
+
+class VirtioPciDevice;
+class VirtioVsock;
+
+struct VmConfig {
+  uint64_t memory_bytes = 512ull << 20;
+  uint32_t vcpus = 1;
+  std::string kernel_path;
+  std::string initrd_path;  // optional
+  std::string cmdline;
+  std::string vsock_path;   // Unix socket of the vsock device (empty: no vsock)
+  uint64_t vsock_cid = 3;
+  bool rng = true;
+};
+
+struct VmEvent {
+  enum class Type { kConsole, kStopped, kDeviceError };
+  Type type;
+  // kStopped: "reset" (i8042 / guest reboot), "panic" (reset after a kernel
+  // panic), "triple-fault", "internal-error", "fail-entry", "system-event",
+  // "error" (a host-side failure). kDeviceError: the device name.
+  std::string reason;
+  std::string message;
+  std::string line;  // kConsole
+};
+
+class Vm {
+ public:
+  using EventFn = std::function<void(VmEvent&&)>;
+
+  // Creates the VM, loads the kernel and initrd, sets up the vCPUs. Throws
+  // std::runtime_error (or std::system_error) with a message for people.
+  Vm(const VmConfig& cfg, EventFn on_event);
+  ~Vm();
+  Vm(const Vm&) = delete;
+  Vm& operator=(const Vm&) = delete;
+
+  void Start();
+  // Returns once every vCPU is out of KVM_RUN and waiting.
+  void Pause();
+  void Resume();
+  // Stops the vCPUs, joins every thread, resets the devices and frees guest
+  // RAM. Idempotent. Must not be called from a vCPU thread.
+  void Kill();
+
+  struct Stats {
+    uint64_t memory_bytes;
+    uint64_t resident_bytes;  // guest pages backed by host memory
+    std::vector<std::pair<std::string, uint64_t>> counters;
+  };
+  Stats GetStats() const;
+  // Registers of every vCPU, for diagnosing a guest that hangs (pauses the
+  // vCPUs for the moment it takes).
+  std::string DebugState();
+  bool running() const { return started_ && !stopped_; }
+  bool stopped() const { return stopped_; }
+
+ private:
+  struct Vcpu {
+    int fd = -1;
+    kvm_run* run = nullptr;
+    size_t run_size = 0;
+    std::thread thread;
+    pthread_t tid{};
+    std::atomic<bool> in_thread{false};
+  };
+  enum Exit { kExitIo, kExitMmio, kExitIntr, kExitHlt, kExitShutdown, kExitSystemEvent, kExitInternal,
+              kExitFailEntry, kExitOther, kExitKinds };
+
+  void SetupVm();
+  void SetupMemory();
+  void LoadGuest();
+  void SetupDevices();
+  void SetupVcpu(uint32_t index);
+  void SetupBootRegisters(Vcpu& v, uint64_t entry);
+  void VcpuLoop(uint32_t index);
+  static std::string VcpuRegs(const Vcpu& v);
+  void HandleIo(kvm_run* run);
+  void HandleMmio(kvm_run* run);
+  void RequestStop(const std::string& reason, const std::string& message);
+  void KickAll();
+  void IrqPulse(uint32_t irq);
+  void SignalMsi(uint64_t address, uint32_t data);
+  void ConsoleByte(uint8_t b);
+
+  VmConfig cfg_;
+  EventFn on_event_;
+  int kvm_fd_ = -1;
+  int vm_fd_ = -1;
+  GuestRam ram_;
+  std::vector<std::unique_ptr<Vcpu>> vcpus_;
+  uint64_t entry_ = 0;
+
+  // Devices; every port/MMIO access runs under io_mu_.
+  std::mutex io_mu_;
+  std::unique_ptr<Uart8250> uart_;
+  std::unique_ptr<I8042> i8042_;
+  std::unique_ptr<CmosRtc> rtc_;
+  std::unique_ptr<PciBus> pci_;
+  std::vector<std::shared_ptr<VirtioPciDevice>> virtio_;
+  std::shared_ptr<VirtioVsock> vsock_;
+  std::string console_line_;
+  std::atomic<bool> panicked_{false};
+
+  // Run state.
+  std::atomic<bool> started_{false};
+  std::atomic<bool> stopped_{false};   // the guest stopped or Kill() ran
+  std::atomic<bool> stop_flag_{false}; // vCPU threads must leave their loop
+  std::atomic<bool> killed_{false};
+  std::mutex run_mu_;
+  std::condition_variable run_cv_;
+  bool pause_requested_ = false;
+  uint32_t paused_count_ = 0;
+  uint32_t exited_count_ = 0;
+
+  std::atomic<uint64_t> exits_[kExitKinds] = {};
+  std::atomic<uint64_t> console_bytes_{0};
+};
+
+}  // namespace forkling::vmm
