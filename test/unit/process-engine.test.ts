@@ -1,0 +1,231 @@
+// The process engine for real (no lab, no KVM): a warm zygote from the
+// `default` image, forks and branches, and what isolates them. Needs root or
+// unprivileged user namespaces; the first run builds the `default` image
+// (about a minute, cached in the store).
+import { randomBytes } from 'node:crypto';
+import { existsSync, readFileSync, rmSync } from 'node:fs';
+import { test } from 'uvu';
+import * as assert from 'uvu/assert';
+import type { AgentClient } from '../../host/agent/client.ts';
+import type { Sandbox } from '../../host/engine/engine.ts';
+import { ProcessEngine } from '../../host/engine/process/engine.ts';
+import { storePath } from '../../host/store.ts';
+
+const TEMPLATE = `test-process-${randomBytes(3).toString('hex')}`;
+let engine: ProcessEngine;
+const warnings: string[] = [];
+
+async function val(agent: AgentClient, code: string): Promise<unknown> {
+  const r = await agent.eval(code);
+  if (r.exception) throw new Error(`eval failed: ${r.exception.traceback || r.exception.message}`);
+  return r.value;
+}
+
+/** Running (a zombie waiting for its parent, the zygote, to reap it does not count). */
+const alive = (pid: number) => {
+  try {
+    const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
+    return stat.slice(stat.lastIndexOf(')') + 2, stat.lastIndexOf(')') + 3) !== 'Z';
+  } catch {
+    return false;
+  }
+};
+const hostPid = (s: Sandbox) => (s as unknown as { hostPid: number }).hostPid;
+const meminfo = (key: string) => Number(new RegExp(`^${key}:\\s+(\\d+)`, 'm').exec(readFileSync('/proc/meminfo', 'utf8'))![1]);
+const memAvailableKiB = () => meminfo('MemAvailable');
+
+test.before(async () => {
+  engine = new ProcessEngine({ warn: (l) => warnings.push(l), pidsPerSandbox: 64 });
+  await engine.createTemplate({
+    name: TEMPLATE,
+    image: 'default',
+    memoryMiB: 256,
+    warmup: 'import os, random, uuid, socket\nWARM = {"answer": 42, "pid": os.getpid()}\nTEMPLATE_RANDOM = random.random()',
+  });
+});
+
+test.after(async () => {
+  await engine?.close();
+  rmSync(storePath('process-templates', `${TEMPLATE}.json`), { force: true });
+});
+
+test('a child inherits the warm-up state and is PID 1 of its own namespaces', async () => {
+  const [c] = await engine.fork(TEMPLATE, 1);
+  const v = (await val(c!.agent, '(WARM["answer"], os.getpid(), socket.gethostname(), os.environ.get("FORKLING_PROCESS_ROLE"))')) as unknown[];
+  assert.equal(v, [42, 1, c!.id, 'sandbox']);
+  assert.ok(c!.timings.readyAt >= c!.timings.startedAt);
+  await c!.kill();
+});
+
+test('10 children in parallel each answer their own eval', async () => {
+  const kids = await engine.fork(TEMPLATE, 10);
+  assert.is(new Set(kids.map((k) => k.id)).size, 10);
+  const answers = await Promise.all(kids.map((k, i) => val(k.agent, `WARM["answer"] * 1000 + ${i}`)));
+  assert.equal(answers, kids.map((_, i) => 42000 + i));
+  await Promise.all(kids.map((k) => k.kill()));
+});
+
+test('randomness differs in every child and from the template', async () => {
+  const kids = await engine.fork(TEMPLATE, 4);
+  const code = '(os.urandom(16).hex(), str(uuid.uuid4()), random.random(), TEMPLATE_RANDOM)';
+  const rs = (await Promise.all(kids.map((k) => val(k.agent, code)))) as [string, string, number, number][];
+  for (const i of [0, 1, 2]) assert.is(new Set(rs.map((r) => r[i])).size, kids.length, `field ${i} repeats across children`);
+  const templateRandom = rs[0]![3];
+  for (const r of rs) {
+    assert.is(r[3], templateRandom); // the template's own value is inherited...
+    assert.is.not(r[2], templateRandom); // ...but the generator was reseeded
+  }
+  await Promise.all(kids.map((k) => k.kill()));
+});
+
+test('files written in one child are absent in its siblings', async () => {
+  const [a, b] = await engine.fork(TEMPLATE, 2);
+  await val(a!.agent, 'open("/tmp/mine", "w").write("a"); open("/root/note", "w").write("a"); 1');
+  assert.equal(await val(b!.agent, '(os.path.exists("/tmp/mine"), os.path.exists("/root/note"))'), [false, false]);
+  assert.equal(await val(a!.agent, 'open("/tmp/mine").read()'), 'a');
+  // and the zygote's base did not change: a new child sees nothing either
+  const [c] = await engine.fork(TEMPLATE, 1);
+  assert.equal(await val(c!.agent, 'os.path.exists("/tmp/mine")'), false);
+  await Promise.all([a, b, c].map((k) => k!.kill()));
+});
+
+test('BRANCH to depth 3: each level sees every variable above it; sources keep running', async () => {
+  const [root] = await engine.fork(TEMPLATE, 1);
+  await val(root!.agent, 'L0 = "zero"; open("/tmp/l0", "w").write("0"); 1');
+  const [b1] = await engine.branch(root!, 1);
+  await val(b1!.agent, 'L1 = "one"; open("/tmp/l1", "w").write("1"); 1');
+  const [b2] = await engine.branch(b1!, 1);
+  await val(b2!.agent, 'L2 = "two"; 1');
+  const [b3] = await engine.branch(b2!, 1);
+  assert.equal(await val(b3!.agent, '(WARM["answer"], L0, L1, L2, sorted(f for f in os.listdir("/tmp") if f.startswith("l")))'), [
+    42,
+    'zero',
+    'one',
+    'two',
+    ['l0', 'l1'],
+  ]);
+  assert.equal(await val(b3!.agent, '(os.getpid(), socket.gethostname())'), [1, b3!.id]);
+  // the sources go on, unchanged by their branches
+  await val(b3!.agent, 'L0 = "changed in b3"; open("/tmp/l0", "w").write("b3"); 1');
+  assert.equal(await val(root!.agent, '(L0, open("/tmp/l0").read(), "L1" in dir())'), ['zero', '0', false]);
+  assert.equal(await val(b1!.agent, '(L1, "L2" in dir())'), ['one', false]);
+  // two branches of one source are independent of each other
+  const [x, y] = await engine.branch(root!, 2);
+  await val(x!.agent, 'L0 = "x"; 1');
+  assert.is(await val(y!.agent, 'L0'), 'zero');
+  await Promise.all([b3, b2, b1, x, y, root].map((s) => s!.kill()));
+});
+
+test('killing children frees their memory, files, processes and cgroups', async () => {
+  const [c] = await engine.fork(TEMPLATE, 1);
+  const pid = hostPid(c!);
+  // 64 MiB of heap, 64 MiB in its private layer (tmpfs: counted as Shmem), and a child process
+  await val(
+    c!.agent,
+    'import subprocess\nHOLD = b"x" * (64 << 20)\nwith open("/tmp/big", "wb") as f:\n    for _ in range(64): f.write(b"y" * (1 << 20))\nP = subprocess.Popen(["sleep", "1000"])\n1',
+  );
+  const st = await c!.stats();
+  assert.ok(st.privateKiB > 60 * 1024, `private memory while alive: ${st.privateKiB} KiB`);
+  assert.ok(st.counters.processes! >= 2, 'the agent and its sleep');
+  // MemAvailable is not a good witness here (freed pages may sit in per-cpu lists or be handed
+  // back to a hypervisor); the kernel's own counts of anonymous and tmpfs pages are.
+  const before = { anon: meminfo('AnonPages'), shmem: meminfo('Shmem') };
+  const cgDirs = (c as unknown as { cgroup: { dirs: string[] } | null }).cgroup?.dirs ?? [];
+  await c!.kill();
+  assert.is((await c!.exited).reason, 'killed');
+  assert.not.ok(alive(pid), 'the sandbox PID 1 is gone');
+  for (const d of cgDirs) assert.not.ok(existsSync(d), `cgroup ${d} removed`);
+  const shmemFreed = before.shmem - meminfo('Shmem');
+  assert.ok(shmemFreed > 60 * 1024, `its layer went with it: Shmem fell by ${shmemFreed} KiB`);
+  const anonFreed = before.anon - meminfo('AnonPages');
+  assert.ok(anonFreed > 48 * 1024, `its heap went with it: AnonPages fell by ${anonFreed} KiB`);
+});
+
+test('isolation: no host files, no other sandbox, no network', async () => {
+  const [a, b] = await engine.fork(TEMPLATE, 2);
+  const marker = `/tmp/forkling-host-marker-${randomBytes(4).toString('hex')}`;
+  await import('node:fs').then((fs) => fs.writeFileSync(marker, 'host'));
+  try {
+    const seen = (await val(
+      a!.agent,
+      `(os.path.exists("/work"), os.path.exists(${JSON.stringify(marker)}), os.path.exists("/var/lib/forkling"), ` +
+        'sorted(os.listdir("/sys")), [n for _, n in socket.if_nameindex()])',
+    )) as unknown[];
+    assert.equal(seen, [false, false, false, [], ['lo']]);
+  } finally {
+    rmSync(marker, { force: true });
+  }
+  // a sibling's processes are invisible: b runs a sleep that a cannot find
+  await val(b!.agent, 'import subprocess\nS = subprocess.Popen(["sleep", "77777"])\n1');
+  const procs = (await val(
+    a!.agent,
+    '[open("/proc/" + p + "/cmdline", "rb").read().decode(errors="replace") for p in os.listdir("/proc") if p.isdigit()]',
+  )) as string[];
+  assert.ok(procs.every((c) => !c.includes('77777')), `a sees: ${procs.join(' | ')}`);
+  assert.ok(procs.length <= 3, `a sees ${procs.length} processes`);
+  // the outside network is unreachable, at once
+  const net = (await val(
+    a!.agent,
+    'import time\nt = time.monotonic()\ntry:\n    socket.create_connection(("1.1.1.1", 80), timeout=5)\n    r = "connected"\nexcept OSError as e:\n    r = type(e).__name__\n(r, time.monotonic() - t)',
+  )) as [string, number];
+  assert.is.not(net[0], 'connected');
+  assert.ok(net[1] < 0.5, `connect failed after ${net[1]} s`);
+  // loopback works inside
+  assert.is(await val(a!.agent, 's = socket.socket(); s.bind(("127.0.0.1", 0)); s.listen(); c = socket.create_connection(s.getsockname()); c.close(); s.close(); "ok"'), 'ok');
+  await Promise.all([a, b].map((k) => k!.kill()));
+});
+
+test('seccomp and the user namespace refuse what a sandbox never needs', async () => {
+  const [c] = await engine.fork(TEMPLATE, 1);
+  const code = `
+import ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+def err(nr, *args):
+    r = libc.syscall(ctypes.c_long(nr), *[ctypes.c_long(a) for a in args])
+    return 0 if r >= 0 else errno.errorcode[ctypes.get_errno()]
+out = {
+  'bpf': err(321, 0, 0, 0),
+  'perf_event_open': err(298, 0, 0, -1, -1, 0),
+  'keyctl': err(250, 0, 0, 0),
+  'init_module': err(175, 0, 0, 0),
+  'kexec_load': err(246, 0, 0, 0, 0),
+  'ptrace': err(101, 16, 1, 0, 0),
+  'unshare_user': err(272, 0x10000000),
+  'setns_net': err(308, 0, 0x40000000),
+  'reboot': err(169, 0xfee1dead, 672274793, 0x4321FEDC, 0),
+}
+out['mount_ext4'] = 0 if libc.mount(b"/dev/null", b"/mnt", b"ext4", 0, None) == 0 else errno.errorcode[ctypes.get_errno()]
+out
+`;
+  const got = (await val(c!.agent, code)) as Record<string, string | number>;
+  for (const k of ['bpf', 'perf_event_open', 'keyctl', 'init_module', 'kexec_load', 'ptrace', 'unshare_user', 'setns_net', 'reboot']) {
+    assert.is(got[k], 'EPERM', `${k}: ${got[k]}`);
+  }
+  assert.ok(got.mount_ext4 !== 0, 'an ext4 mount is refused');
+  await c!.kill();
+});
+
+test('a fork bomb and a memory hog in one sandbox leave the others and the host working', async () => {
+  const [bomb, hog, calm] = await engine.fork(TEMPLATE, 3);
+  // fork bomb: the pids cgroup (64 here) stops it; it burns at most its cpu share
+  const bombRun = bomb!.agent.exec(['/bin/sh', '-c', 'f() { f | f & }; f; sleep 5'], { timeoutMs: 10000 }).catch((e: Error) => e);
+  // memory hog: beyond its 256 MiB, the OOM killer acts inside its cgroup only
+  const hogRun = val(hog!.agent, 'x = []\nwhile True: x.append(b"y" * (16 << 20))').catch((e: Error) => e);
+  const t0 = performance.now();
+  assert.is(await val(calm!.agent, 'WARM["answer"]'), 42);
+  assert.ok(performance.now() - t0 < 5000, 'a calm sibling still answers');
+  const hogOutcome = await hogRun;
+  assert.ok(hogOutcome instanceof Error, 'the hog does not finish normally');
+  const [fresh] = await engine.fork(TEMPLATE, 1);
+  assert.is(await val(fresh!.agent, '1 + 1'), 2);
+  assert.ok(((await bomb!.stats()).counters.processes ?? 0) <= 64, 'the bomb is capped by pids.max');
+  await Promise.all([bomb, hog, calm, fresh].map((k) => k!.kill()));
+  await bombRun;
+  assert.ok(memAvailableKiB() > 256 * 1024, 'the host has memory left');
+});
+
+test('the selection line states the weaker isolation', () => {
+  assert.match(engine.isolation, /weaker than a VM/);
+});
+
+test.run();
