@@ -6,8 +6,9 @@
 // reuse it: FORKLING_CACHE, default /var/tmp/forkling-test-cache).
 import { execFileSync, spawnSync } from 'node:child_process';
 import { createHash } from 'node:crypto';
-import { existsSync, lstatSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
-import { join } from 'node:path';
+import { copyFileSync, existsSync, lstatSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { basename, dirname, join } from 'node:path';
+import { fileURLToPath } from 'node:url';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import { imageCommand } from '../../host/cli/image.ts';
@@ -18,14 +19,20 @@ import { listCpio, walkTree } from '../../images/cpio.ts';
 import { GUEST_MODULES } from '../../images/modules.ts';
 
 process.env.FORKLING_CACHE ||= '/var/tmp/forkling-test-cache';
+const root = fileURLToPath(new URL('../..', import.meta.url));
 const home = mkdtempSync('/var/tmp/forkling-image-test-');
 process.env.FORKLING_HOME = home;
 const times: Record<string, number> = {};
+// The agent as it is now: the builds compared for equal bytes must see the same agent files.
+const agentDir = join(home, 'agent');
+mkdirSync(agentDir);
+for (const f of readdirSync(dirname(DEFAULT_AGENT))) if (f.endsWith('.py')) copyFileSync(join(dirname(DEFAULT_AGENT), f), join(agentDir, f));
+const agentPath = join(agentDir, basename(DEFAULT_AGENT));
 let first: ImageManifest;
 
 async function timedBuild(label: string, name: string, extras: string[] = []): Promise<ImageManifest> {
   const t = Date.now();
-  const m = await buildImage({ name, extras });
+  const m = await buildImage({ name, extras, agentPath });
   times[label] = (Date.now() - t) / 1000;
   return m;
 }
@@ -68,8 +75,9 @@ test('default: builds, and every file matches the sha256 in its manifest', async
   assert.not.ok(m.packages.installed.some((x) => x.name === 'perl' || x.name === 'usrmerge'), 'perl or usrmerge pulled in');
   assert.ok(m.cmdline.includes('rdinit=/init'));
   assert.ok(m.cmdline.some((a) => /^forkling\.port=\d+$/.test(a)));
-  assert.is(m.agent.version, readAgent(DEFAULT_AGENT).version);
-  assert.is(m.agent.sha256, createHash('sha256').update(readFileSync(DEFAULT_AGENT)).digest('hex'));
+  assert.is(m.agent.version, readAgent(agentPath).version);
+  assert.is(m.agent.sha256, createHash('sha256').update(readFileSync(agentPath)).digest('hex'));
+  assert.ok(m.agent.helpers['/usr/lib/python3/dist-packages/forkling_zygote.py'], 'zygote helper not installed');
   assert.is(m.kernel.format, 'bzImage');
   assert.match(m.kernel.source, /^distro:linux-image-/);
   assert.is(m.initramfs.compression, 'zstd');
@@ -126,14 +134,25 @@ test('default: its python imports the agent, msgpack and the zygote helper in a 
   assert.is(out, `${img.manifest.agent.version} {'a': 1} 3`);
 });
 
-test('same inputs, same bytes: a rebuild (from the cache) gives the same sha256', async () => {
+test('same inputs, same bytes: a rebuild offline, from the cache, gives the same sha256', async () => {
   // Leftovers of an interrupted build are cleaned by the next one.
   mkdirSync(join(home, 'images', '.staging-leftover', 'rootfs'), { recursive: true });
-  const again = await timedBuild('default (rebuild from cache)', 'default');
+  // No network at all: a new network namespace has only a down loopback.
+  const t = Date.now();
+  const r = spawnSync('unshare', ['-n', join(root, 'node_modules/.bin/tsx'), join(root, 'test/unit/image-build-child.ts'), agentPath, 'default'], {
+    encoding: 'utf8',
+    env: process.env,
+    maxBuffer: 1 << 26,
+  });
+  times['default (offline rebuild from cache)'] = (Date.now() - t) / 1000;
+  assert.is(r.status, 0, `offline rebuild failed: ${r.stderr}`);
+  assert.match(r.stderr, /package sources unreachable, using the cached package lists/);
+  const again = JSON.parse(r.stdout) as ImageManifest;
   assert.equal(again.files, first.files);
   assert.is(again.initramfs.cpioSha256, first.initramfs.cpioSha256);
   assert.not.ok(existsSync(join(home, 'images', '.staging-leftover')), 'stale staging dir left');
   assert.equal(readdirSync(join(home, 'images')).sort(), ['default']);
+  assert.equal(await verifyImage('default'), []);
 });
 
 test('numpy: --extra python3-numpy imports and computes in a chroot', async () => {
