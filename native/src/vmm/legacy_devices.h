@@ -5,6 +5,7 @@
 // by the VM's I/O dispatch (under its lock) and by tests without KVM.
 #pragma once
 #include <cstdint>
+#include <cstring>
 #include <deque>
 #include <functional>
 
@@ -22,6 +23,18 @@ class Uart8250 {
   void Write(uint8_t offset, uint8_t value);
   // Bytes for the guest to read (host input); raises the receive interrupt.
   void Input(const uint8_t* data, size_t len);
+
+  // Snapshot: the registers (pending host input is not kept).
+  struct State {
+    uint8_t ier, lcr, mcr, scr, dll, dlm;
+    uint8_t thre_pending;
+  };
+  State SaveState() const { return State{ier_, lcr_, mcr_, scr_, dll_, dlm_, uint8_t(thre_pending_)}; }
+  void RestoreState(const State& s) {
+    ier_ = s.ier, lcr_ = s.lcr, mcr_ = s.mcr, scr_ = s.scr, dll_ = s.dll, dlm_ = s.dlm;
+    thre_pending_ = s.thre_pending != 0;
+    rx_.clear();
+  }
 
   // Register numbers and bits (the 8250 data sheet names).
   enum : uint8_t { kData = 0, kIer = 1, kIir = 2, kLcr = 3, kMcr = 4, kLsr = 5, kMsr = 6, kScr = 7 };
@@ -51,6 +64,16 @@ class I8042 {
   uint8_t Read(uint16_t port);
   void Write(uint16_t port, uint8_t value);
 
+  // Snapshot: the controller registers (queued output bytes are not kept).
+  struct State {
+    uint8_t ctr, outp, pending_cmd;
+  };
+  State SaveState() const { return State{ctr_, outp_, pending_cmd_}; }
+  void RestoreState(const State& s) {
+    ctr_ = s.ctr, outp_ = s.outp, pending_cmd_ = s.pending_cmd;
+    out_.clear();
+  }
+
  private:
   Reset reset_;
   uint8_t ctr_ = 0x45;  // kbd interrupt, system flag, translate (what firmware leaves)
@@ -64,6 +87,22 @@ class CmosRtc {
   // port 0x70 (index) or 0x71 (data). Time registers read the host's UTC clock.
   uint8_t Read(uint16_t port);
   void Write(uint16_t port, uint8_t value);
+
+  // Snapshot: the index register and CMOS RAM (time registers read the host clock anyway).
+  struct State {
+    uint8_t index;
+    uint8_t ram[128];
+  };
+  State SaveState() const {
+    State s;
+    s.index = index_;
+    std::memcpy(s.ram, ram_, sizeof ram_);
+    return s;
+  }
+  void RestoreState(const State& s) {
+    index_ = s.index & 0x7f;
+    std::memcpy(ram_, s.ram, sizeof ram_);
+  }
 
  private:
   uint8_t index_ = 0;

@@ -9,6 +9,7 @@
 // the device's memory decoding is enabled.
 #pragma once
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -32,6 +33,15 @@ class PciDevice {
   uint64_t BarAddress(int bar) const;
   uint64_t BarSize(int bar) const { return bar >= 0 && bar < kMaxBars ? bar_size_[bar] : 0; }
   bool MemoryEnabled() const { return cfg_[0x04] & 0x02; }
+
+  // Snapshot: the 256 bytes of config space (BAR addresses, command
+  // register, capability control bits as the guest left them). Restore calls
+  // OnConfigWrite over the whole space so derived state follows.
+  void SaveConfig(uint8_t out[256]) const { std::memcpy(out, cfg_, 256); }
+  void RestoreConfig(const uint8_t in[256]) {
+    std::memcpy(cfg_, in, 256);
+    OnConfigWrite(0, 256);
+  }
 
  protected:
   // Header type 0 with vendor/device/class; capabilities start at 0x40.

@@ -303,6 +303,56 @@ void VirtioPciDevice::MsixTableWrite(uint64_t off, const uint8_t* data, uint32_t
   DeliverPendingLocked();  // an entry may just have been unmasked
 }
 
+VirtioPciDevice::TransportState VirtioPciDevice::SaveTransport() {
+  TransportState s;
+  s.device_feature_select = device_feature_select_;
+  s.driver_feature_select = driver_feature_select_;
+  s.driver_features[0] = driver_features_[0];
+  s.driver_features[1] = driver_features_[1];
+  s.queue_select = queue_select_;
+  s.status = status_;
+  s.active = active_;
+  s.needs_reset = needs_reset_;
+  s.config_vector = config_vector_;
+  s.isr = isr_;
+  for (uint16_t i = 0; i < nq_; i++) {
+    s.queues.push_back(queues_[i].cfg);
+    s.vectors.push_back(queues_[i].vector);
+  }
+  std::lock_guard<std::mutex> l(msix_mu_);
+  s.msix_table = table_;
+  for (bool b : pending_) s.msix_pending.push_back(b);
+  return s;
+}
+
+std::string VirtioPciDevice::RestoreTransport(
+    const TransportState& s, const std::function<void(const GuestMemory&, VirtioDevice::NotifyGuest)>& restore_device) {
+  if (s.queues.size() != nq_ || s.vectors.size() != nq_ || s.msix_table.size() != table_.size() ||
+      s.msix_pending.size() != pending_.size())
+    return "saved virtio transport has a different number of queues or vectors";
+  device_feature_select_ = s.device_feature_select;
+  driver_feature_select_ = s.driver_feature_select;
+  driver_features_[0] = s.driver_features[0];
+  driver_features_[1] = s.driver_features[1];
+  queue_select_ = s.queue_select;
+  status_ = s.status;
+  needs_reset_ = s.needs_reset;
+  config_vector_ = s.config_vector < nvec_ ? s.config_vector : kNoVector;
+  isr_ = s.isr;
+  for (uint16_t i = 0; i < nq_; i++) {
+    queues_[i].cfg = s.queues[i];
+    queues_[i].vector = s.vectors[i] < nvec_ ? s.vectors[i] : kNoVector;
+  }
+  {
+    std::lock_guard<std::mutex> l(msix_mu_);
+    table_ = s.msix_table;
+    for (size_t i = 0; i < pending_.size(); i++) pending_[i] = s.msix_pending[i] != 0;
+  }
+  active_ = s.active;
+  if (active_ && !needs_reset_) restore_device(mem_, [this](uint16_t q) { NotifyQueue(q); });
+  return "";
+}
+
 void VirtioPciDevice::OnConfigWrite(uint32_t off, uint32_t size) {
   if (!msix_cap_ || off + size <= uint32_t(msix_cap_) + 2 || off > uint32_t(msix_cap_) + 3) return;
   std::lock_guard<std::mutex> l(msix_mu_);

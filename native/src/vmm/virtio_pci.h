@@ -53,6 +53,30 @@ class VirtioPciDevice : public PciDevice {
   uint16_t num_vectors() const { return nvec_; }
   uint64_t interrupts_sent() const { return interrupts_.load(); }
 
+  // Snapshot of the transport registers, queue layouts and vectors, and the
+  // MSI-X table (config space is saved by PciDevice::SaveConfig). Take it
+  // with the vCPUs paused.
+  struct TransportState {
+    uint32_t device_feature_select = 0, driver_feature_select = 0;
+    uint32_t driver_features[2] = {};
+    uint16_t queue_select = 0;
+    uint8_t status = 0;
+    bool active = false, needs_reset = false;
+    uint16_t config_vector = kNoVector;
+    uint8_t isr = 0;
+    std::vector<QueueConfig> queues;
+    std::vector<uint16_t> vectors;
+    std::vector<uint32_t> msix_table;
+    std::vector<uint8_t> msix_pending;
+  };
+  TransportState SaveTransport();
+  // Restores the registers (after RestoreConfig). When the saved device was
+  // active, calls `restore_device(memory, notify_guest)`, which must bring
+  // the device model back from its own saved state (instead of a fresh
+  // Activate). Returns "" or why the saved state does not fit this device.
+  std::string RestoreTransport(const TransportState& s,
+                               const std::function<void(const GuestMemory&, VirtioDevice::NotifyGuest)>& restore_device);
+
  protected:
   void OnConfigWrite(uint32_t off, uint32_t size) override;
 
