@@ -2,14 +2,20 @@
 // `default` image, forks and branches, and what isolates them. Needs root or
 // unprivileged user namespaces; the first run builds the `default` image
 // (about a minute, cached in the store).
+import { spawnSync } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { existsSync, readFileSync, rmSync } from 'node:fs';
+import { chownSync, existsSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { dirname, join } from 'node:path';
+import { fileURLToPath } from 'node:url';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import type { AgentClient } from '../../host/agent/client.ts';
 import type { Sandbox } from '../../host/engine/engine.ts';
 import { ProcessEngine } from '../../host/engine/process/engine.ts';
+import { ensureImage } from '../../host/images.ts';
 import { storePath } from '../../host/store.ts';
+
+const root = dirname(dirname(dirname(fileURLToPath(import.meta.url))));
 
 const TEMPLATE = `test-process-${randomBytes(3).toString('hex')}`;
 let engine: ProcessEngine;
@@ -222,6 +228,27 @@ test('a fork bomb and a memory hog in one sandbox leave the others and the host 
   await Promise.all([bomb, hog, calm, fresh].map((k) => k!.kill()));
   await bombRun;
   assert.ok(memAvailableKiB() > 256 * 1024, 'the host has memory left');
+});
+
+test('works unprivileged too (uid 65534, user namespaces)', async () => {
+  const home = mkdtempSync('/tmp/forkling-unpriv-');
+  chownSync(home, 65534, 65534);
+  try {
+    const rootfs = (await ensureImage('default')).rootfs;
+    const child = spawnSync(join(root, 'node_modules', '.bin', 'tsx'), [join(root, 'test', 'unit', 'process-unprivileged-child.ts')], {
+      cwd: root,
+      uid: 65534,
+      gid: 65534,
+      env: { ...process.env, HOME: home, FORKLING_HOME: home, FORKLING_RUNTIME_DIR: join(home, 'run'), FORKLING_TEST_ROOTFS: rootfs },
+      encoding: 'utf8',
+      timeout: 60000,
+    });
+    assert.is(child.status, 0, `exit ${child.status}: ${child.stderr}`);
+    const out = JSON.parse(child.stdout.trim().split('\n').pop()!);
+    assert.equal(out, { uid: 65534, fork: ['warm', 0, 1, ['0', '0', '1']], branch: ['warm', 1], boot: 1 });
+  } finally {
+    rmSync(home, { recursive: true, force: true });
+  }
 });
 
 test('the selection line states the weaker isolation', () => {

@@ -103,7 +103,7 @@ export class CgroupTree {
           const avail = readFileSync(join(mine, 'cgroup.controllers'), 'utf8').trim().split(/\s+/);
           const want = ['memory', 'pids', 'cpu'].filter((c) => avail.includes(c));
           if (want.length === 0) {
-            warning = `cgroup v2 at ${mine} offers none of memory, pids, cpu to us`;
+            warning = `${warning ? `${warning}; ` : ''}cgroup v2 at ${mine} offers none of memory, pids, cpu to us`;
           } else {
             const dir = join(mine, tag);
             mkdirSync(dir, { recursive: true });

@@ -161,7 +161,8 @@ void BindReadOnly(const char* src, const char* dst, int step) {
   char c;
   if (read(syncR, &c, 1) != 1) _exit(126);
   close(syncR);
-  if (setgroups(0, nullptr) != 0) Fail(1, errno);
+  // Without root on the host, the keeper's namespace denies setgroups (and so does ours, inherited).
+  if (!p.keeperUserns && setgroups(0, nullptr) != 0) Fail(1, errno);
   if (setresgid(0, 0, 0) != 0 || setresuid(0, 0, 0) != 0) Fail(1, errno);
   prctl(PR_SET_PDEATHSIG, SIGKILL);  // a credential change may clear it
   // The keeper has placed us in our cgroups: make them our cgroup root.
