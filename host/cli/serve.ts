@@ -3,7 +3,7 @@
 // is bound, is exactly `listening <url>` (e.g. `listening http://127.0.0.1:4780`);
 // tools and tests read the port from it. Logs go to stderr.
 import { parseArgs } from 'node:util';
-import type { Engine } from '../engine/engine.ts';
+import { openEngine } from '../engine/select.ts';
 import { UserError } from '../errors.ts';
 import { callAgentClient } from '../server/agent-bridge.ts';
 import { TokenAuth } from '../server/auth.ts';
@@ -36,16 +36,6 @@ function positiveInt(name: string, v: string | undefined, dflt: number, min = 1)
     throw new UserError(`--${name} must be an integer ≥ ${min}, got ${JSON.stringify(v)}`, USAGE.split('\n')[0]);
   }
   return Number(v);
-}
-
-async function openEngine(choice: string | undefined): Promise<Engine> {
-  const sel = (await import('../engine/select.ts')) as unknown as {
-    selectEngine?: (choice?: string) => Promise<Engine>;
-    openEngine?: (choice?: string) => Promise<Engine>;
-  };
-  const open = sel.openEngine ?? sel.selectEngine;
-  if (!open) throw new Error('host/engine/select.ts exports neither openEngine nor selectEngine');
-  return open(choice);
 }
 
 export async function serveCommand(argv: string[]): Promise<number> {
@@ -103,7 +93,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
   const auth = tokenFile ? await TokenAuth.fromFile(tokenFile) : null;
 
   const log = (line: string) => process.stderr.write(`forkling serve: ${line}\n`);
-  const engine = await openEngine(str('engine'));
+  const engine = await openEngine(str('engine'), { log });
   const metrics = new ServerMetrics();
   const manager = new SandboxManager({
     engine,
@@ -136,7 +126,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
   }
   process.stdout.write(`listening ${addr.url}\n`);
   log(
-    `engine ${engine.name} (${engine.isolation}); auth ${auth ? 'bearer token' : 'none (loopback only)'}; ` +
+    `engine ${engine.name}; auth ${auth ? 'bearer token' : 'none (loopback only)'}; ` +
       `max ${maxSandboxes} sandboxes; default timeout ${defaultTimeoutMs} ms`,
   );
 
