@@ -2,7 +2,7 @@
 // Builds the native addon with node-gyp. Checks the toolchain first so that a
 // missing compiler or header gives one clear message instead of a gyp trace.
 import { spawnSync } from 'node:child_process';
-import { existsSync } from 'node:fs';
+import { existsSync, mkdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 
@@ -39,6 +39,29 @@ const candidates = [
 ].filter(Boolean);
 const gyp = candidates.find((p) => existsSync(p));
 if (!gyp) fail('node-gyp not found (it ships with npm). Reinstall npm, or: npm install -g node-gyp');
+
+// One build at a time per checkout: two node-gyp runs in one build dir break each other.
+const lock = join(root, 'native', '.build.lock');
+for (let waited = 0; ; waited++) {
+  try {
+    mkdirSync(lock);
+    writeFileSync(join(lock, 'pid'), String(process.pid));
+    break;
+  } catch {
+    let holder = 0;
+    try {
+      holder = Number(readFileSync(join(lock, 'pid'), 'utf8'));
+      process.kill(holder, 0);
+    } catch {
+      if (holder || waited > 4) rmSync(lock, { recursive: true, force: true }); // holder died
+      Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0, 500);
+      continue;
+    }
+    if (waited === 0) console.error(`forkling: waiting for another build of the addon (pid ${holder})`);
+    Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0, 500);
+  }
+}
+process.on('exit', () => rmSync(lock, { recursive: true, force: true }));
 
 const r = spawnSync(process.execPath, [gyp, 'rebuild', `--nodedir=${nodedir}`, '-j', 'max'], {
   cwd: join(root, 'native'),
