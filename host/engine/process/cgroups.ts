@@ -6,6 +6,7 @@
 // warning that says why.
 import { mkdirSync, readdirSync, readFileSync, rmdirSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
+import { processRunning } from './runtime.ts';
 
 export interface CgroupLimits {
   memoryBytes: number;
@@ -64,6 +65,25 @@ function under(mount: MountInfo, path: string): string {
   return join(mount.mountPoint, rel);
 }
 
+/** Engine directories (forkling-p<pid>-...) of processes that are gone: their sandboxes died with them. */
+function removeStale(parent: string): void {
+  let names: string[] = [];
+  try {
+    names = readdirSync(parent);
+  } catch {
+    return;
+  }
+  for (const name of names) {
+    const m = /^forkling-p(\d+)-[0-9a-f]+$/.exec(name);
+    if (!m || processRunning(Number(m[1]))) continue;
+    const dir = join(parent, name);
+    try {
+      for (const e of readdirSync(dir, { withFileTypes: true })) if (e.isDirectory()) rmdirSync(join(dir, e.name));
+      rmdirSync(dir);
+    } catch {}
+  }
+}
+
 export class CgroupTree {
   readonly mode: 'v1' | 'v2' | 'none';
   /** Why there are no (or only some) limits; null when all is well. */
@@ -83,6 +103,7 @@ export class CgroupTree {
         const path = own.get(c);
         if (!m || path === undefined) continue;
         const dir = join(under(m, path), tag);
+        removeStale(under(m, path));
         try {
           mkdirSync(dir, { recursive: true });
           this.v1.set(c, dir);
@@ -106,6 +127,7 @@ export class CgroupTree {
             warning = `${warning ? `${warning}; ` : ''}cgroup v2 at ${mine} offers none of memory, pids, cpu to us`;
           } else {
             const dir = join(mine, tag);
+            removeStale(mine);
             mkdirSync(dir, { recursive: true });
             this.roots.push(dir);
             try {

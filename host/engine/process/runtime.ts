@@ -3,7 +3,7 @@
 // sandboxes' /run/forkling (their agent sockets). Nothing here is mounted on
 // the host: every mount lives in a sandbox's private mount namespace.
 import { randomBytes } from 'node:crypto';
-import { mkdirSync, readdirSync, rmSync } from 'node:fs';
+import { mkdirSync, readdirSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 
@@ -17,12 +17,13 @@ export function runtimeRoot(): string {
   return join(tmpdir(), `forkling-${uid}`);
 }
 
-function alive(pid: number): boolean {
+/** Whether a process runs (a zombie, dead but not yet reaped, does not). */
+export function processRunning(pid: number): boolean {
   try {
-    process.kill(pid, 0);
-    return true;
-  } catch (e) {
-    return (e as NodeJS.ErrnoException).code === 'EPERM';
+    const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
+    return stat[stat.lastIndexOf(')') + 2] !== 'Z';
+  } catch {
+    return false;
   }
 }
 
@@ -35,7 +36,7 @@ export function makeEngineDir(): string {
   mkdirSync(root, { recursive: true, mode: 0o700 });
   for (const name of readdirSync(root)) {
     const m = /^p(\d+)-[0-9a-f]+$/.exec(name);
-    if (m && !alive(Number(m[1]))) rmSync(join(root, name), { recursive: true, force: true });
+    if (m && !processRunning(Number(m[1]))) rmSync(join(root, name), { recursive: true, force: true });
   }
   const dir = join(root, `p${process.pid}-${randomBytes(3).toString('hex')}`);
   mkdirSync(dir, { mode: 0o700 });
