@@ -11,11 +11,13 @@
 
 #include "errno_error.h"
 #include "mapping.h"
+#include "snapshot_js.h"
 #include "vmm/snapshot/checksum.h"
 #include "vmm/snapshot/diff_layer.h"
 #include "vmm/snapshot/memory_file.h"
 #include "vmm/snapshot/pagemap.h"
 #include "vmm/snapshot/state_file.h"
+#include "vmm/snapshot/vm_snapshot.h"
 
 namespace forkling {
 namespace {
@@ -130,7 +132,72 @@ int FdArg(const Napi::Value& v) {
   return v.As<Napi::Number>().Int32Value();
 }
 
+using SpecRef = std::shared_ptr<const vmm::RestoreSpec>;
+
+Napi::Object WrapSpec(Napi::Env env, SpecRef spec) {
+  Napi::Object o = Napi::Object::New(env);
+  o.Set("memoryMiB", Napi::Number::New(env, double(spec->memory_bytes >> 20)));
+  o.Set("vcpus", Napi::Number::New(env, spec->vcpus));
+  o.Set("depth", Napi::Number::New(env, double(spec->layers.size())));
+  o.Set("what", Napi::String::New(env, spec->what));
+  o.Set("handle", Napi::External<SpecRef>::New(env, new SpecRef(std::move(spec)), [](Napi::Env, SpecRef* p) { delete p; }));
+  return o;
+}
+
 }  // namespace
+
+std::shared_ptr<const vmm::RestoreSpec> RestoreSpecOf(Napi::Value v) {
+  if (v.IsObject()) {
+    Napi::Value h = v.As<Napi::Object>().Get("handle");
+    if (h.IsExternal()) {
+      // Only specs are stored as handles on objects with a `what` string.
+      if (v.As<Napi::Object>().Get("what").IsString()) return *h.As<Napi::External<SpecRef>>().Data();
+    }
+  }
+  throw Napi::TypeError::New(v.Env(), "restore must be a snapshot made by loadTemplate() or branch()");
+}
+
+Napi::Value VmSaveTemplate(const Napi::CallbackInfo& info, vmm::Vm& vm) {
+  return Guard(info.Env(), [&]() -> Napi::Value {
+    if (!info[0].IsString()) throw std::invalid_argument("saveTemplate(dir)");
+    ss::TemplateWritten w = ss::WriteTemplate(vm, info[0].As<Napi::String>());
+    Napi::Object o = Napi::Object::New(info.Env());
+    o.Set("memory", InfoToJs(info.Env(), w.memory));
+    o.Set("stateBytes", Napi::Number::New(info.Env(), double(w.state_bytes)));
+    o.Set("saveMs", Napi::Number::New(info.Env(), w.save_ms));
+    o.Set("memoryMs", Napi::Number::New(info.Env(), w.memory_ms));
+    return o;
+  });
+}
+
+Napi::Value VmBranch(const Napi::CallbackInfo& info, vmm::Vm& vm) {
+  return Guard(info.Env(), [&]() -> Napi::Value {
+    if (!info[0].IsString()) throw std::invalid_argument("branch(dir)");
+    ss::BranchResult b = ss::Branch(vm, info[0].As<Napi::String>());
+    Napi::Env env = info.Env();
+    Napi::Object o = Napi::Object::New(env);
+    o.Set("snapshot", WrapSpec(env, b.spec));
+    o.Set("pauseUs", Napi::Number::New(env, double(b.pause_ns) / 1000.0));
+    o.Set("privatePages", Napi::Number::New(env, double(b.private_pages)));
+    o.Set("diffPages", Napi::Number::New(env, double(b.diff_pages)));
+    o.Set("runs", Napi::Number::New(env, double(b.runs)));
+    o.Set("depth", Napi::Number::New(env, double(b.depth)));
+    o.Set("collapsed", Napi::Boolean::New(env, b.collapsed));
+    return o;
+  });
+}
+
+Napi::Value VmMemoryUsage(const Napi::CallbackInfo& info, vmm::Vm& vm) {
+  return Guard(info.Env(), [&]() -> Napi::Value {
+    ss::MemoryUsage u = ss::MeasureGuestMemory(vm);
+    Napi::Env env = info.Env();
+    Napi::Object o = Napi::Object::New(env);
+    o.Set("guestPrivateBytes", Napi::Number::New(env, double(u.guest_private_bytes)));
+    o.Set("guestSharedBytes", Napi::Number::New(env, double(u.guest_shared_bytes)));
+    o.Set("guestMemfdBytes", Napi::Number::New(env, double(u.guest_memfd_bytes)));
+    return o;
+  });
+}
 
 void InitSnapshot(Napi::Env env, Napi::Object exports) {
   Napi::Object s = Napi::Object::New(env);
@@ -277,6 +344,12 @@ void InitSnapshot(Napi::Env env, Napi::Object exports) {
   s.Set("createTempDiffFile", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
     return Guard(info.Env(), [&]() -> Napi::Value {
       return Napi::Number::New(info.Env(), ss::CreateTempDiffFile(info[0].As<Napi::String>()));
+    });
+  }));
+  s.Set("loadTemplate", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
+    return Guard(info.Env(), [&]() -> Napi::Value {
+      if (!info[0].IsString() || !info[1].IsString()) throw std::invalid_argument("loadTemplate(dir, what)");
+      return WrapSpec(info.Env(), ss::LoadTemplate(info[0].As<Napi::String>(), info[1].As<Napi::String>()));
     });
   }));
   exports.Set("snapshot", s);

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "errno_error.h"
+#include "snapshot_js.h"
 #include "vmm/boot_loader.h"
 #include "vmm/layout.h"
 #include "vmm/legacy_devices.h"
@@ -143,7 +144,11 @@ class VmWrap : public Napi::ObjectWrap<VmWrap> {
     return DefineClass(env, "Vm",
                        {InstanceMethod("start", &VmWrap::Start), InstanceMethod("pause", &VmWrap::Pause),
                         InstanceMethod("resume", &VmWrap::Resume), InstanceMethod("kill", &VmWrap::Kill),
-                        InstanceMethod("stats", &VmWrap::Stats), InstanceMethod("debugState", &VmWrap::DebugState)});
+                        InstanceMethod("stats", &VmWrap::Stats), InstanceMethod("debugState", &VmWrap::DebugState),
+                        // Snapshots (snapshot_binding.cc).
+                        InstanceMethod("saveTemplate", &VmWrap::SaveTemplate),
+                        InstanceMethod("branch", &VmWrap::Branch),
+                        InstanceMethod("memoryUsage", &VmWrap::MemoryUsage)});
   }
 
   VmWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<VmWrap>(info) {
@@ -152,7 +157,10 @@ class VmWrap : public Napi::ObjectWrap<VmWrap> {
       throw Napi::TypeError::New(env, "new Vm(options, onEvents)");
     Napi::Object o = info[0].As<Napi::Object>();
     vmm::VmConfig cfg;
-    cfg.kernel_path = GetString(o, "kernel", true);
+    // A restored VM (a fork or branch child) takes RAM and state from a snapshot.
+    std::shared_ptr<const vmm::RestoreSpec> restore;
+    if (!o.Get("restore").IsUndefined()) restore = RestoreSpecOf(o.Get("restore"));
+    cfg.kernel_path = GetString(o, "kernel", !restore);
     cfg.initrd_path = GetString(o, "initrd", false);
     cfg.cmdline = GetString(o, "cmdline", false);
     cfg.vsock_path = GetString(o, "vsockPath", false);
@@ -165,6 +173,10 @@ class VmWrap : public Napi::ObjectWrap<VmWrap> {
       throw Napi::RangeError::New(env, "vcpus must be a whole number between 1 and " + std::to_string(vmm::kMaxVcpus));
     cfg.memory_bytes = uint64_t(mib) << 20;
     cfg.vcpus = uint32_t(vcpus);
+    if (restore) {
+      cfg.memory_bytes = restore->memory_bytes;
+      cfg.vcpus = restore->vcpus;
+    }
     cfg.vsock_cid = uint64_t(cid);
     Napi::Value rng = o.Get("rng");
     cfg.rng = rng.IsUndefined() ? true : rng.ToBoolean().Value();
@@ -174,7 +186,8 @@ class VmWrap : public Napi::ObjectWrap<VmWrap> {
     events_->Init(Napi::ThreadSafeFunction::New(env, info[1].As<Napi::Function>(), "forkling-vm-events", 0, 1));
     std::shared_ptr<EventQueue> q = events_;
     try {
-      vm_ = std::make_unique<vmm::Vm>(cfg, [q](VmEvent&& e) { q->Post(std::move(e)); });
+      auto post = [q](VmEvent&& e) { q->Post(std::move(e)); };
+      vm_ = restore ? std::make_unique<vmm::Vm>(cfg, post, restore) : std::make_unique<vmm::Vm>(cfg, post);
     } catch (const std::system_error& e) {
       events_->Close();
       Napi::Error err = ErrnoError(env, e.what(), e.code().value());
@@ -217,6 +230,9 @@ class VmWrap : public Napi::ObjectWrap<VmWrap> {
     if (events_) events_->Close();
     return info.Env().Undefined();
   }
+  Napi::Value SaveTemplate(const Napi::CallbackInfo& info) { return VmSaveTemplate(info, Live(info.Env())); }
+  Napi::Value Branch(const Napi::CallbackInfo& info) { return VmBranch(info, Live(info.Env())); }
+  Napi::Value MemoryUsage(const Napi::CallbackInfo& info) { return VmMemoryUsage(info, Live(info.Env())); }
   Napi::Value DebugState(const Napi::CallbackInfo& info) {
     return Napi::String::New(info.Env(), Live(info.Env()).DebugState());
   }

@@ -54,6 +54,16 @@ GuestRam GuestRam::MapFilePrivate(const std::string& path, uint64_t size) {
   return r;
 }
 
+GuestRam GuestRam::AdoptPrivate(uint8_t* host, uint64_t size) {
+  GuestRam r;
+  r.host_ = host;
+  r.size_ = size;
+  r.shared_ = false;
+  madvise(host, size, MADV_DONTDUMP);
+  r.BuildRegions();
+  return r;
+}
+
 GuestRam& GuestRam::operator=(GuestRam&& o) noexcept {
   if (this != &o) {
     Release();

@@ -16,6 +16,9 @@ class GuestRam {
   // Throws std::system_error on failure.
   static GuestRam CreateAnonymous(uint64_t size);
   static GuestRam MapFilePrivate(const std::string& path, uint64_t size);
+  // Takes over a private mapping made elsewhere (a memory file with diff
+  // layers mapped over it, vmm/snapshot/diff_layer.h); no fd.
+  static GuestRam AdoptPrivate(uint8_t* host, uint64_t size);
 
   GuestRam() = default;
   GuestRam(GuestRam&& o) noexcept { *this = std::move(o); }

@@ -124,6 +124,25 @@ Vm::Vm(const VmConfig& cfg, EventFn on_event) : cfg_(cfg), on_event_(std::move(o
   }
 }
 
+Vm::Vm(const VmConfig& cfg, EventFn on_event, std::shared_ptr<const RestoreSpec> restore)
+    : cfg_(cfg), on_event_(std::move(on_event)), origin_(std::move(restore)) {
+  if (!origin_) throw std::invalid_argument("no snapshot to restore");
+  if (cfg_.vcpus != origin_->vcpus || cfg_.memory_bytes != origin_->memory_bytes)
+    throw std::runtime_error(origin_->what + ": the VM must have the snapshot's memory size and vCPU count");
+  InstallKickHandler();
+  try {
+    SetupVm();
+    RestoreRam(*origin_);
+    SetupMemory();
+    SetupDevices();
+    for (uint32_t i = 0; i < cfg_.vcpus; i++) SetupVcpu(i);
+    RestoreState(*origin_);
+  } catch (...) {
+    Kill();
+    throw;
+  }
+}
+
 Vm::~Vm() { Kill(); }
 
 void Vm::SetupVm() {
@@ -142,7 +161,7 @@ void Vm::SetupVm() {
 }
 
 void Vm::SetupMemory() {
-  ram_ = GuestRam::CreateAnonymous(cfg_.memory_bytes);
+  if (!ram_.host()) ram_ = GuestRam::CreateAnonymous(cfg_.memory_bytes);  // else restored (RestoreRam)
   const GuestMemory& m = ram_.memory();
   for (size_t i = 0; i < m.region_count(); i++) {
     const GuestRegion& r = m.region(i);

@@ -20,11 +20,27 @@
 #include "vmm/guest_ram.h"
 #include "vmm/legacy_devices.h"
 #include "vmm/pci.h"
+#include "vmm/snapshot/state_file.h"
 
 namespace forkling::vmm {
 
 class VirtioPciDevice;
 class VirtioVsock;
+namespace snapshot {
+class DiffLayer;
+}
+
+// Where a restored VM's RAM and state come from (vmm/snapshot/vm_snapshot.cc):
+// a template's memory file mapped MAP_PRIVATE, branch diff layers mapped over
+// it (oldest first), and the saved state sections.
+struct RestoreSpec {
+  std::string what;  // for errors, e.g. "template py"
+  std::string memory_path;
+  std::vector<std::shared_ptr<snapshot::DiffLayer>> layers;
+  std::vector<snapshot::Section> state;
+  uint64_t memory_bytes = 0;
+  uint32_t vcpus = 0;
+};
 
 struct VmConfig {
   uint64_t memory_bytes = 512ull << 20;
@@ -55,6 +71,10 @@ class Vm {
   // Creates the VM, loads the kernel and initrd, sets up the vCPUs. Throws
   // std::runtime_error (or std::system_error) with a message for people.
   Vm(const VmConfig& cfg, EventFn on_event);
+  // Restores a snapshot instead of booting (vm_snapshot.cc): RAM from the
+  // spec, KVM and device state restored; Start() continues the guest.
+  // cfg.memory_bytes and cfg.vcpus must match the spec.
+  Vm(const VmConfig& cfg, EventFn on_event, std::shared_ptr<const RestoreSpec> restore);
   ~Vm();
   Vm(const Vm&) = delete;
   Vm& operator=(const Vm&) = delete;
@@ -77,6 +97,15 @@ class Vm {
   // vCPUs for the moment it takes).
   std::string DebugState();
   bool running() const { return started_ && !stopped_; }
+
+  // Snapshot support (vm_snapshot.cc). SaveState needs the VM paused; it
+  // holds the vsock device still while it reads it and returns the state
+  // sections (KVM, vCPUs, devices).
+  std::vector<snapshot::Section> SaveState();
+  const GuestRam& ram() const { return ram_; }
+  // What this VM was restored from (null for a booted VM).
+  std::shared_ptr<const RestoreSpec> origin() const { return origin_; }
+  VirtioVsock* vsock() const { return vsock_.get(); }
   bool stopped() const { return stopped_; }
 
  private:
@@ -92,6 +121,8 @@ class Vm {
               kExitFailEntry, kExitOther, kExitKinds };
 
   void SetupVm();
+  void RestoreRam(const RestoreSpec& spec);    // vm_snapshot.cc
+  void RestoreState(const RestoreSpec& spec);  // vm_snapshot.cc
   void SetupMemory();
   void LoadGuest();
   void SetupDevices();
@@ -109,6 +140,7 @@ class Vm {
 
   VmConfig cfg_;
   EventFn on_event_;
+  std::shared_ptr<const RestoreSpec> origin_;
   int kvm_fd_ = -1;
   int vm_fd_ = -1;
   GuestRam ram_;

@@ -1,0 +1,305 @@
+// Vm's snapshot members (declared in vm.h) and the template/branch helpers.
+#include "vmm/snapshot/vm_snapshot.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+
+#include "vmm/snapshot/checksum.h"
+#include "vmm/snapshot/diff_layer.h"
+#include "vmm/snapshot/kvm_state.h"
+#include "vmm/snapshot/pagemap.h"
+#include "vmm/virtio_pci.h"
+#include "vmm/virtio_rng.h"
+#include "vmm/virtio_vsock.h"
+
+namespace forkling::vmm {
+namespace {
+
+using namespace snapshot;
+
+constexpr uint32_t kTagMeta = Tag("META"), kTagMemory = Tag("MEMF"), kTagUart = Tag("UART"),
+                   kTagI8042 = Tag("I842"), kTagRtc = Tag("RTC_"), kTagPciConfig = Tag("PCIC"),
+                   kTagTransport = Tag("VPCI"), kTagVsock = Tag("VSCK"), kTagRng = Tag("VRNG");
+
+struct Meta {
+  uint32_t version;
+  uint32_t vcpus;
+  uint64_t memory_bytes;
+  uint32_t virtio_count;
+  uint8_t has_vsock, has_rng, pad[2];
+};
+
+double Ms(std::chrono::steady_clock::time_point a, std::chrono::steady_clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+template <class T>
+Section Pod(uint32_t tag, uint32_t index, const T& v) {
+  ByteWriter w;
+  w.Put(v);
+  return Section{tag, index, std::move(w.bytes())};
+}
+
+template <class T>
+T GetPod(const std::vector<Section>& s, uint32_t tag, uint32_t index, const std::string& what, const char* name) {
+  const Section* sec = FindSection(s, tag, index);
+  if (!sec) throw CorruptError(what + " is corrupt: state file has no " + name + " section");
+  ByteReader r(sec->data, what + " is corrupt: " + name);
+  T v = r.Get<T>();
+  r.ExpectDone();
+  return v;
+}
+
+Section EncodeTransport(uint32_t index, const VirtioPciDevice::TransportState& t) {
+  ByteWriter w;
+  w.Put(t.device_feature_select);
+  w.Put(t.driver_feature_select);
+  w.Put(t.driver_features);
+  w.Put(t.queue_select);
+  w.Put(t.status);
+  w.Put(uint8_t(t.active));
+  w.Put(uint8_t(t.needs_reset));
+  w.Put(t.config_vector);
+  w.Put(t.isr);
+  w.PutBlob(t.queues.data(), t.queues.size() * sizeof(QueueConfig));
+  w.PutBlob(t.vectors.data(), t.vectors.size() * 2);
+  w.PutBlob(t.msix_table.data(), t.msix_table.size() * 4);
+  w.PutBlob(t.msix_pending.data(), t.msix_pending.size());
+  return Section{kTagTransport, index, std::move(w.bytes())};
+}
+
+VirtioPciDevice::TransportState DecodeTransport(const Section& s, const std::string& what) {
+  ByteReader r(s.data, what + " is corrupt: virtio transport " + std::to_string(s.index));
+  VirtioPciDevice::TransportState t;
+  t.device_feature_select = r.Get<uint32_t>();
+  t.driver_feature_select = r.Get<uint32_t>();
+  r.GetBytes(t.driver_features, sizeof t.driver_features);
+  t.queue_select = r.Get<uint16_t>();
+  t.status = r.Get<uint8_t>();
+  t.active = r.Get<uint8_t>() != 0;
+  t.needs_reset = r.Get<uint8_t>() != 0;
+  t.config_vector = r.Get<uint16_t>();
+  t.isr = r.Get<uint8_t>();
+  auto q = r.GetBlob(64 * sizeof(QueueConfig));
+  auto v = r.GetBlob(64 * 2);
+  auto m = r.GetBlob(65 * 16);
+  auto p = r.GetBlob(65);
+  r.ExpectDone();
+  if (q.size() % sizeof(QueueConfig) || v.size() % 2 || m.size() % 4)
+    throw CorruptError(what + " is corrupt: virtio transport " + std::to_string(s.index) + " has ragged fields");
+  t.queues.resize(q.size() / sizeof(QueueConfig));
+  std::memcpy(t.queues.data(), q.data(), q.size());
+  t.vectors.resize(v.size() / 2);
+  std::memcpy(t.vectors.data(), v.data(), v.size());
+  t.msix_table.resize(m.size() / 4);
+  std::memcpy(t.msix_table.data(), m.data(), m.size());
+  t.msix_pending.assign(p.begin(), p.end());
+  return t;
+}
+
+}  // namespace
+
+std::vector<Section> Vm::SaveState() {
+  std::vector<Section> out;
+  // The vsock loop writes guest memory and ring positions: hold it still.
+  if (vsock_) vsock_->Pause();
+  try {
+    Meta meta{};
+    meta.version = kSnapshotVersion;
+    meta.vcpus = cfg_.vcpus;
+    meta.memory_bytes = cfg_.memory_bytes;
+    meta.virtio_count = uint32_t(virtio_.size());
+    meta.has_vsock = vsock_ != nullptr;
+    meta.has_rng = cfg_.rng;
+    out.push_back(Pod(kTagMeta, 0, meta));
+    out.push_back(EncodeVm(CaptureVm(vm_fd_)));
+    for (uint32_t i = 0; i < vcpus_.size(); i++) out.push_back(EncodeVcpu(i, CaptureVcpu(kvm_fd_, vm_fd_, vcpus_[i]->fd)));
+    {
+      std::lock_guard<std::mutex> l(io_mu_);
+      out.push_back(Pod(kTagUart, 0, uart_->SaveState()));
+      out.push_back(Pod(kTagI8042, 0, i8042_->SaveState()));
+      out.push_back(Pod(kTagRtc, 0, rtc_->SaveState()));
+      for (uint32_t i = 0; i < virtio_.size(); i++) {
+        uint8_t cfg[256];
+        virtio_[i]->SaveConfig(cfg);
+        ByteWriter w;
+        w.PutBytes(cfg, 256);
+        out.push_back(Section{kTagPciConfig, i, std::move(w.bytes())});
+        out.push_back(EncodeTransport(i, virtio_[i]->SaveTransport()));
+        VirtioDevice* d = virtio_[i]->device();
+        if (d == vsock_.get()) out.push_back(Pod(kTagVsock, 0, vsock_->SaveState()));
+        else if (auto* rng = dynamic_cast<VirtioRng*>(d)) out.push_back(Pod(kTagRng, 0, rng->SaveState()));
+      }
+    }
+  } catch (...) {
+    if (vsock_) vsock_->Resume();
+    throw;
+  }
+  if (vsock_) vsock_->Resume();
+  return out;
+}
+
+void Vm::RestoreRam(const RestoreSpec& spec) {
+  int fd = open(spec.memory_path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    throw CorruptError(spec.what + " is corrupt: cannot open its memory file " + spec.memory_path + ": " +
+                       std::strerror(errno));
+  try {
+    uint8_t* host = MapLayered(fd, spec.memory_bytes, spec.layers);
+    close(fd);
+    ram_ = GuestRam::AdoptPrivate(host, spec.memory_bytes);
+  } catch (...) {
+    close(fd);
+    throw;
+  }
+}
+
+void Vm::RestoreState(const RestoreSpec& spec) {
+  const std::string& what = spec.what;
+  const auto& s = spec.state;
+  Meta meta = GetPod<Meta>(s, kTagMeta, 0, what, "META");
+  if (meta.version != kSnapshotVersion || meta.vcpus != cfg_.vcpus || meta.memory_bytes != cfg_.memory_bytes ||
+      meta.virtio_count != virtio_.size() || bool(meta.has_vsock) != (vsock_ != nullptr) ||
+      bool(meta.has_rng) != cfg_.rng)
+    throw std::runtime_error(what + ": the snapshot's machine (memory, vCPUs, devices) differs from this VM's");
+  const Section* vmsec = FindSection(s, kTagVm);
+  if (!vmsec) throw CorruptError(what + " is corrupt: state file has no KVM VM section");
+  RestoreVm(vm_fd_, DecodeVm(*vmsec, what));
+  for (uint32_t i = 0; i < vcpus_.size(); i++) {
+    const Section* v = FindSection(s, kTagVcpu, i);
+    if (!v) throw CorruptError(what + " is corrupt: state file has no section for vCPU " + std::to_string(i));
+    RestoreVcpu(vm_fd_, vcpus_[i]->fd, DecodeVcpu(*v, what));
+  }
+  std::lock_guard<std::mutex> l(io_mu_);
+  uart_->RestoreState(GetPod<Uart8250::State>(s, kTagUart, 0, what, "UART"));
+  i8042_->RestoreState(GetPod<I8042::State>(s, kTagI8042, 0, what, "i8042"));
+  rtc_->RestoreState(GetPod<CmosRtc::State>(s, kTagRtc, 0, what, "RTC"));
+  for (uint32_t i = 0; i < virtio_.size(); i++) {
+    const Section* c = FindSection(s, kTagPciConfig, i);
+    const Section* t = FindSection(s, kTagTransport, i);
+    if (!c || c->data.size() != 256 || !t)
+      throw CorruptError(what + " is corrupt: virtio device " + std::to_string(i) + " state is missing");
+    virtio_[i]->RestoreConfig(c->data.data());
+    VirtioDevice* d = virtio_[i]->device();
+    std::string err = virtio_[i]->RestoreTransport(
+        DecodeTransport(*t, what), [&](const GuestMemory& mem, VirtioDevice::NotifyGuest notify) {
+          if (d == vsock_.get()) {
+            VirtioVsock::State vs = GetPod<VirtioVsock::State>(s, kTagVsock, 0, what, "vsock");
+            // The guest keeps its CID; this device is configured with the same one.
+            vsock_->RestoreState(mem, vs, std::move(notify));
+          } else if (auto* rng = dynamic_cast<VirtioRng*>(d)) {
+            rng->RestoreState(mem, GetPod<VirtioRng::State>(s, kTagRng, 0, what, "rng"), std::move(notify));
+          }
+        });
+    if (!err.empty()) throw std::runtime_error(what + ": " + err);
+    if (d->failed()) throw std::runtime_error(what + ": restoring a virtio device failed: " + d->failure());
+  }
+}
+
+namespace snapshot {
+
+TemplateWritten WriteTemplate(Vm& vm, const std::string& dir) {
+  TemplateWritten r;
+  auto t0 = std::chrono::steady_clock::now();
+  std::vector<Section> sections = vm.SaveState();
+  auto t1 = std::chrono::steady_clock::now();
+  const GuestRam& ram = vm.ram();
+  r.memory = WriteMemoryFile(ram.host(), ram.size(), ram.shared() ? ram.fd() : -1, dir + "/memory.bin");
+  auto t2 = std::chrono::steady_clock::now();
+  sections.push_back(Pod(kTagMemory, 0, r.memory));
+  std::vector<uint8_t> bytes = EncodeStateFile(sections);
+  r.state_bytes = bytes.size();
+  WriteStateFile(dir + "/state.bin", sections);
+  r.save_ms = Ms(t0, t1);
+  r.memory_ms = Ms(t1, t2);
+  return r;
+}
+
+std::shared_ptr<RestoreSpec> LoadTemplate(const std::string& dir, const std::string& what) {
+  auto spec = std::make_shared<RestoreSpec>();
+  spec->what = what;
+  spec->state = ReadStateFile(dir + "/state.bin", what);
+  Meta meta = GetPod<Meta>(spec->state, kTagMeta, 0, what, "META");
+  if (meta.version != kSnapshotVersion)
+    throw CorruptError(what + " is corrupt: snapshot version " + std::to_string(meta.version) + " is not " +
+                       std::to_string(kSnapshotVersion) + " (create the template again)");
+  MemoryFileInfo mem = GetPod<MemoryFileInfo>(spec->state, kTagMemory, 0, what, "memory file");
+  if (mem.size != meta.memory_bytes)
+    throw CorruptError(what + " is corrupt: the memory file size does not match the VM's memory");
+  spec->memory_path = dir + "/memory.bin";
+  VerifyMemoryFile(spec->memory_path, mem, what);
+  spec->memory_bytes = meta.memory_bytes;
+  spec->vcpus = meta.vcpus;
+  return spec;
+}
+
+BranchResult Branch(Vm& vm, const std::string& dir) {
+  std::shared_ptr<const RestoreSpec> origin = vm.origin();
+  if (!origin) throw std::runtime_error("only a sandbox restored from a template can be branched");
+  BranchResult r;
+  int fd = CreateTempDiffFile(dir);
+  std::vector<Section> state;
+  try {
+    auto t0 = std::chrono::steady_clock::now();
+    vm.Pause();
+    try {
+      state = vm.SaveState();
+      const GuestRam& ram = vm.ram();
+      std::vector<uint64_t> pages = PrivatePages(ram.host(), ram.size());
+      r.private_pages = pages.size();
+      std::vector<uint64_t> filled = FillGaps(pages, kDiffRunBudget);
+      r.diff_pages = filled.size();
+      WriteDiff(fd, ram.host(), ram.size(), filled, false);
+    } catch (...) {
+      vm.Resume();
+      throw;
+    }
+    vm.Resume();
+    r.pause_ns = uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+  } catch (...) {
+    close(fd);
+    throw;
+  }
+  auto spec = std::make_shared<RestoreSpec>(*origin);
+  spec->what = "branch of " + origin->what;
+  spec->state = std::move(state);
+  std::shared_ptr<DiffLayer> layer = DiffLayer::Open(fd, spec->what);
+  r.runs = layer->runs().size();
+  spec->layers.push_back(std::move(layer));
+  if (spec->layers.size() > kMaxChainDepth) {
+    int cfd = CreateTempDiffFile(dir);
+    try {
+      CollapseDiffs(spec->layers, cfd);
+    } catch (...) {
+      close(cfd);
+      throw;
+    }
+    spec->layers = {DiffLayer::Open(cfd, spec->what)};
+    r.collapsed = true;
+  }
+  r.depth = spec->layers.size();
+  r.spec = std::move(spec);
+  return r;
+}
+
+MemoryUsage MeasureGuestMemory(const Vm& vm) {
+  MemoryUsage u;
+  const GuestRam& ram = vm.ram();
+  if (!ram.host()) return u;
+  if (ram.shared()) {
+    u.guest_memfd_bytes = ram.ResidentBytes();
+    return u;
+  }
+  PageCounts c = CountPages(ram.host(), ram.size());
+  u.guest_private_bytes = c.private_pages * kPageSize;
+  u.guest_shared_bytes = c.shared_pages * kPageSize;
+  return u;
+}
+
+}  // namespace snapshot
+}  // namespace forkling::vmm
