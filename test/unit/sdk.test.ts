@@ -231,7 +231,8 @@ test('fork and branch return usable sandboxes; the source goes on', async () => 
     if (srv.mode === 'cli') assert.is((await b.eval('branch_me')).value, 7); // the process engine carries state over
   }
   assert.is((await kids[0]?.eval('branch_me'))?.value, 7);
-  for (const k of [...kids, ...branches]) assert.is(await k.kill(), true);
+  // branches first: with the process engine a branch lives in its source's pid namespace and ends with it
+  for (const k of [...branches, ...kids]) assert.is(await k.kill(), true);
   assert.is(await kids[0]?.kill(), false);
   await expectError(NotFoundError, kids[0]?.eval('1') as Promise<unknown>);
 });
