@@ -1,0 +1,75 @@
+// The KVM engine: every sandbox is a microVM in this process (native/src/vmm),
+// booted from an image's kernel and initramfs; the agent is reached over
+// virtio-vsock. Templates, fork and branch are part 2 (issue 6).
+import { UserError } from '../../errors.ts';
+import { ensureImage } from '../../images.ts';
+import type { BootOptions, Engine, Sandbox, TemplateInfo, TemplateOptions } from '../engine.ts';
+import { kernelCmdline } from './cmdline.ts';
+import { KvmSandbox } from './vm.ts';
+
+export const KVM_ISOLATION = 'each sandbox is a KVM virtual machine with its own kernel';
+export const DEFAULT_MEMORY_MIB = 512;
+export const DEFAULT_READY_TIMEOUT_MS = 120_000;
+
+export interface KvmBootOptions extends BootOptions {
+  /** Print every kernel message (drops `quiet`). */
+  verbose?: boolean;
+  /** Extra kernel arguments. */
+  kernelArgs?: string[];
+}
+
+function checkResources(memoryMiB: number, vcpus: number): void {
+  if (!Number.isInteger(memoryMiB) || memoryMiB < 64 || memoryMiB > 1 << 20 || memoryMiB % 2 !== 0) {
+    throw new UserError(`invalid memory size ${memoryMiB} MiB`, 'use an even number of MiB from 64 (the default is 512)');
+  }
+  if (!Number.isInteger(vcpus) || vcpus < 1 || vcpus > 64) {
+    throw new UserError(`invalid vCPU count ${vcpus}`, 'use 1 to 64 vCPUs');
+  }
+}
+
+export class KvmEngine implements Engine {
+  readonly name = 'kvm' as const;
+  readonly isolation = KVM_ISOLATION;
+  private readonly live = new Set<KvmSandbox>();
+
+  async boot(opts: KvmBootOptions): Promise<KvmSandbox> {
+    const memoryMiB = opts.memoryMiB ?? DEFAULT_MEMORY_MIB;
+    const vcpus = opts.vcpus ?? 1;
+    checkResources(memoryMiB, vcpus);
+    const image = await ensureImage(opts.image);
+    const cmdline = kernelCmdline(image.manifest.cmdline, { verbose: opts.verbose, extra: opts.kernelArgs });
+    const sb = await KvmSandbox.boot({
+      kernel: image.kernel,
+      initrd: image.initramfs,
+      cmdline,
+      memoryMiB,
+      vcpus,
+      onConsole: opts.onConsole,
+      readyTimeoutMs: opts.readyTimeoutMs ?? DEFAULT_READY_TIMEOUT_MS,
+    });
+    this.live.add(sb);
+    void sb.exited.then(() => this.live.delete(sb));
+    return sb;
+  }
+
+  async createTemplate(_opts: TemplateOptions): Promise<TemplateInfo> {
+    throw new UserError('templates on the kvm engine are not implemented yet (KVM part 2)', 'use --engine process for templates for now');
+  }
+
+  async fork(_template: string, _n: number): Promise<Sandbox[]> {
+    throw new UserError('fork on the kvm engine is not implemented yet (KVM part 2)', 'use --engine process for fork for now');
+  }
+
+  async branch(_source: Sandbox, _n: number): Promise<Sandbox[]> {
+    throw new UserError('branch on the kvm engine is not implemented yet (KVM part 2)', 'use --engine process for branch for now');
+  }
+
+  async close(): Promise<void> {
+    await Promise.all([...this.live].map((s) => s.kill()));
+    this.live.clear();
+  }
+}
+
+export function createKvmEngine(): KvmEngine {
+  return new KvmEngine();
+}

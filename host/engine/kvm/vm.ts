@@ -1,0 +1,256 @@
+// A KVM sandbox: one in-process VM (native Vm) plus its agent connection over
+// virtio-vsock. Boot readiness is the agent answering hello: the host keeps
+// connecting (the device refuses while the guest has no listener) with a short
+// backoff, bounded by the caller's time limit, never a fixed sleep.
+import { randomBytes } from 'node:crypto';
+import { mkdirSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { AgentClient, AgentError } from '../../agent/client.ts';
+import { UserError } from '../../errors.ts';
+import type { ExitInfo, Sandbox, SandboxStats } from '../engine.ts';
+import { type NativeVm, type NativeVmEvent, nativeVmClass } from './native-vm.ts';
+import { VsockConnectError, vsockConnect } from './vsock.ts';
+
+export const AGENT_PORT = 1024;
+const CONSOLE_KEEP = 200;
+
+export interface KvmBootSpec {
+  kernel: string;
+  initrd?: string;
+  cmdline: string;
+  memoryMiB: number;
+  vcpus: number;
+  onConsole?: (line: string) => void;
+  readyTimeoutMs: number;
+}
+
+/** Where the VMs' vsock sockets live: $XDG_RUNTIME_DIR or the temp dir, private to this user. */
+function socketDir(): string {
+  const base = process.env.XDG_RUNTIME_DIR || tmpdir();
+  const dir = join(base, `forkling-${process.getuid?.() ?? 0}`);
+  mkdirSync(dir, { recursive: true, mode: 0o700 });
+  return dir;
+}
+
+/** Why the VM stopped, in ExitInfo terms. A reset we asked for (agent shutdown) is a clean poweroff. */
+function exitFromStop(reason: string, message: string, shutdownRequested: boolean): ExitInfo {
+  switch (reason) {
+    case 'reset':
+      return shutdownRequested ? { reason: 'poweroff', message } : { reason: 'reset', message };
+    case 'poweroff':
+      return { reason: 'poweroff', message };
+    case 'panic':
+      return { reason: 'crashed', message: `kernel panic: ${message}` };
+    case 'triple-fault':
+      return { reason: 'triple-fault', message };
+    default:
+      return { reason: 'internal-error', message: `${reason}: ${message}` };
+  }
+}
+
+export class KvmSandbox implements Sandbox {
+  readonly engine = 'kvm' as const;
+  readonly timings = { startedAt: 0, readyAt: 0 };
+  readonly vsockPath: string;
+  private readonly lines: string[] = [];
+  private vm: NativeVm | null;
+  private client: AgentClient | null = null;
+  private exitInfo: ExitInfo | null = null;
+  private resolveExit!: (e: ExitInfo) => void;
+  private shutdownRequested = false;
+  private readonly stopWaiters = new Set<(e: ExitInfo) => void>();
+  readonly exited: Promise<ExitInfo>;
+  /** Device errors reported by the VMM (the VM goes on; the device is marked failed). */
+  readonly deviceErrors: string[] = [];
+
+  private constructor(
+    readonly id: string,
+    private readonly spec: KvmBootSpec,
+  ) {
+    this.exited = new Promise((r) => {
+      this.resolveExit = r;
+    });
+    this.vsockPath = join(socketDir(), `${id}.vsock`);
+    const Vm = nativeVmClass();
+    this.timings.startedAt = performance.now();
+    try {
+      this.vm = new Vm(
+        {
+          kernel: spec.kernel,
+          initrd: spec.initrd,
+          cmdline: spec.cmdline,
+          memoryMiB: spec.memoryMiB,
+          vcpus: spec.vcpus,
+          vsockPath: this.vsockPath,
+        },
+        (events) => this.onEvents(events),
+      );
+    } catch (e) {
+      rmSync(this.vsockPath, { force: true });
+      throw new UserError(`cannot create the VM: ${(e as Error).message}`, 'check the image (forkling image ls) and /dev/kvm');
+    }
+  }
+
+  /** Boots and resolves once the agent answered hello; on failure the VM is gone and the error has the last console lines. */
+  static async boot(spec: KvmBootSpec): Promise<KvmSandbox> {
+    const id = `vm-${randomBytes(6).toString('hex')}`;
+    const sb = new KvmSandbox(id, spec);
+    try {
+      sb.vm?.start();
+      await sb.waitReady(spec.readyTimeoutMs);
+      sb.timings.readyAt = performance.now();
+      return sb;
+    } catch (e) {
+      await sb.kill();
+      throw e;
+    }
+  }
+
+  get agent(): AgentClient {
+    if (!this.client) throw new Error(`sandbox ${this.id} has no agent connection`);
+    return this.client;
+  }
+
+  get console(): readonly string[] {
+    return this.lines;
+  }
+
+  private onEvents(events: NativeVmEvent[]): void {
+    for (const e of events) {
+      if (e.type === 'console') {
+        for (const line of e.lines) {
+          this.lines.push(line);
+          if (this.lines.length > CONSOLE_KEEP) this.lines.shift();
+          this.spec.onConsole?.(line);
+        }
+      } else if (e.type === 'console-dropped') {
+        this.lines.push(`[forkling: ${e.count} console lines dropped]`);
+      } else if (e.type === 'device-error') {
+        this.deviceErrors.push(`${e.device}: ${e.message}`);
+        this.lines.push(`[forkling: device ${e.device} failed: ${e.message}]`);
+      } else if (e.type === 'stopped') {
+        this.finish(exitFromStop(e.reason, e.message, this.shutdownRequested));
+      }
+    }
+  }
+
+  /** The VM is over: free it at once (threads joined, RAM unmapped) and tell the waiters. */
+  private finish(info: ExitInfo): void {
+    if (this.exitInfo) return;
+    this.exitInfo = info;
+    this.vm?.kill();
+    this.vm = null;
+    this.client?.close();
+    rmSync(this.vsockPath, { force: true });
+    for (const w of this.stopWaiters) w(info);
+    this.stopWaiters.clear();
+    this.resolveExit(info);
+  }
+
+  private lastLines(n = 25): string {
+    const l = this.lines.slice(-n);
+    return l.length ? `\nlast console lines:\n  ${l.join('\n  ')}` : '\n(the guest printed nothing)';
+  }
+
+  private async waitReady(timeoutMs: number): Promise<void> {
+    const deadline = performance.now() + timeoutMs;
+    let stopped: ExitInfo | null = null;
+    const onStop = (e: ExitInfo) => {
+      stopped = e;
+    };
+    this.stopWaiters.add(onStop);
+    let delay = 10;
+    let lastError = '';
+    try {
+      while (true) {
+        if (stopped || this.exitInfo) {
+          const info = (stopped ?? this.exitInfo) as ExitInfo;
+          throw new UserError(
+            `the VM stopped before its agent was ready (${info.reason}${info.message ? `: ${info.message}` : ''})${this.lastLines()}`,
+            'see the console lines above; forkling run --console shows the whole boot',
+          );
+        }
+        const left = deadline - performance.now();
+        if (left <= 0) {
+          const regs = this.vm?.debugState() ?? '';
+          throw new UserError(
+            `the VM's agent did not answer within ${timeoutMs} ms (last attempt: ${lastError || 'none'})${regs ? `\nvCPUs: ${regs.trim()}` : ''}${this.lastLines()}`,
+            'a slow host (nested virtualization) may need a longer limit; --console shows the boot',
+          );
+        }
+        try {
+          const sock = await vsockConnect(this.vsockPath, AGENT_PORT, Math.min(left, 10_000));
+          sock.setNoDelay?.(true);
+          const client = new AgentClient(sock);
+          try {
+            await client.hello();
+          } catch (e) {
+            client.close();
+            throw e;
+          }
+          this.client = client;
+          return;
+        } catch (e) {
+          if (e instanceof VsockConnectError && !e.retryable) throw new UserError(`cannot reach the agent: ${e.message}`);
+          if (!(e instanceof VsockConnectError) && !(e instanceof AgentError)) throw e;
+          lastError = e.message;
+        }
+        // The agent is not listening yet: back off a little (capped), then try again.
+        await new Promise<void>((r) => {
+          const t = setTimeout(r, Math.min(delay, Math.max(0, deadline - performance.now())));
+          const wake = () => {
+            clearTimeout(t);
+            r();
+          };
+          this.stopWaiters.add(wake);
+        });
+        delay = Math.min(delay * 2, 200);
+      }
+    } finally {
+      this.stopWaiters.delete(onStop);
+    }
+  }
+
+  /**
+   * Clean poweroff: the agent syncs and reboots the guest (`reboot=k`: the
+   * kernel pulses the i8042 reset line), which the VMM turns into the VM's
+   * end; resolves with the exit once the VM's memory is freed. Falls back to
+   * kill() after `timeoutMs`.
+   */
+  async shutdown(timeoutMs = 30_000): Promise<ExitInfo> {
+    if (this.exitInfo) return this.exitInfo;
+    this.shutdownRequested = true;
+    // The agent answers before it powers off; the connection may also drop first.
+    this.client?.shutdown(true).catch(() => {});
+    const timer = new Promise<'timeout'>((r) => setTimeout(() => r('timeout'), timeoutMs).unref());
+    const r = await Promise.race([this.exited, timer]);
+    if (r === 'timeout') {
+      this.finish({ reason: 'timeout', message: `the guest did not power off within ${timeoutMs} ms` });
+    }
+    return this.exited;
+  }
+
+  async pause(): Promise<void> {
+    this.live().pause();
+  }
+
+  async resume(): Promise<void> {
+    this.live().resume();
+  }
+
+  async kill(): Promise<void> {
+    this.finish({ reason: 'killed' });
+  }
+
+  /** Guest pages the VM holds now and the VMM's counters (exits by kind, vsock, interrupts). */
+  async stats(): Promise<SandboxStats> {
+    const s = this.live().stats();
+    return { privateKiB: Math.round(s.residentBytes / 1024), counters: { ...s.counters, memoryBytes: s.memoryBytes } };
+  }
+
+  private live(): NativeVm {
+    if (!this.vm) throw new UserError(`sandbox ${this.id} has ended (${this.exitInfo?.reason ?? 'unknown'})`);
+    return this.vm;
+  }
+}
