@@ -4,6 +4,10 @@
 // Starts its own server: the real CLI with the process engine where it
 // exists, else (said in the output) in-process over plain agent processes.
 //   npx tsx bench/server-eval.ts [N=3000] [seconds per concurrency level=3]
+import { mkdtempSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { startLocalAgent } from '../host/agent/spawn.ts';
 import { Sandbox } from '../host/index.ts';
 import { RawClient, serve } from '../test/unit/server-harness.ts';
 
@@ -49,6 +53,23 @@ try {
     `eval 1+1 round trip through the SDK (Sandbox.eval), N=${N}: median ${q(sdkTimes, 0.5).toFixed(3)} ms, p99 ${q(sdkTimes, 0.99).toFixed(3)} ms`,
   );
   Sandbox.disconnectAll();
+
+  // for comparison: the same eval straight to an agent over its Unix socket (no server)
+  const dir = mkdtempSync(join(tmpdir(), 'forkling-bench-'));
+  const local = await startLocalAgent({ socketPath: join(dir, 'agent.sock') });
+  const direct = await local.connect();
+  for (let i = 0; i < 300; i++) await direct.eval('1+1');
+  const dt: number[] = [];
+  for (let i = 0; i < N; i++) {
+    const t0 = process.hrtime.bigint();
+    await direct.eval('1+1');
+    dt.push(Number(process.hrtime.bigint() - t0) / 1e6);
+  }
+  dt.sort((a, b) => a - b);
+  console.log(`(for comparison, straight to an agent over a Unix socket: median ${q(dt, 0.5).toFixed(3)} ms, p99 ${q(dt, 0.99).toFixed(3)} ms)`);
+  direct.close();
+  await local.stop();
+  rmSync(dir, { recursive: true, force: true });
 
   // 2. throughput with concurrent sessions, spread over the sandboxes
   for (const sessions of [1, 10, 100]) {
