@@ -66,6 +66,16 @@ export const SERVER_OPS = {
     Type.Object({ template: Type.Optional(TemplateNameSchema), timeoutMs: Type.Optional(TimeoutMs) }),
     One,
   ),
+  /** A cold boot of an image (no template): slower than a fork; what engines without templates offer. */
+  'sandbox.boot': sop(
+    Type.Object({
+      image: Type.Optional(TemplateNameSchema),
+      memoryMiB: Type.Optional(Type.Integer({ minimum: 64, maximum: 1024 * 1024 })),
+      vcpus: Type.Optional(Type.Integer({ minimum: 1, maximum: 64 })),
+      timeoutMs: Type.Optional(TimeoutMs),
+    }),
+    One,
+  ),
   'sandbox.fork': sop(
     Type.Object({ template: TemplateNameSchema, n: Count, timeoutMs: Type.Optional(TimeoutMs) }),
     Many,

@@ -138,6 +138,23 @@ export class Sandbox {
     return new Sandbox(conn, res.sandbox as SandboxInfo, opts);
   }
 
+  /**
+   * Cold-boots a sandbox from an image, without a template (slower than
+   * create/fork; what an engine without templates offers).
+   */
+  static async boot(
+    opts: ConnectionOptions & { image?: string; memoryMiB?: number; vcpus?: number; timeoutMs?: number } = {},
+  ): Promise<Sandbox> {
+    const conn = Connection.get(opts);
+    const res = await conn.request('sandbox.boot', {
+      image: opts.image,
+      memoryMiB: opts.memoryMiB,
+      vcpus: opts.vcpus,
+      timeoutMs: opts.timeoutMs,
+    });
+    return new Sandbox(conn, res.sandbox as SandboxInfo, opts);
+  }
+
   /** Attaches to a running sandbox by id (from any client, any time before its timeout). */
   static async connect(id: string, opts: ConnectionOptions = {}): Promise<Sandbox> {
     const conn = Connection.get(opts);

@@ -66,6 +66,10 @@ export function createContext(opts: {
         const a = args as ServerOpArgs<'sandbox.create'>;
         return { sandbox: await manager.create(a.template ?? 'default', a.timeoutMs) };
       }
+      case 'sandbox.boot': {
+        const a = args as ServerOpArgs<'sandbox.boot'>;
+        return { sandbox: await manager.boot(a.image ?? 'default', a) };
+      }
       case 'sandbox.fork': {
         const a = args as ServerOpArgs<'sandbox.fork'>;
         return { sandboxes: await manager.fork(a.template, a.n, a.timeoutMs) };

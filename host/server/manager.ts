@@ -6,7 +6,7 @@
 // its sandboxes: only a timeout, a kill or the sandbox's own end removes one.
 import type { SandboxInfo } from '../../protocol/server-ops.ts';
 import { MAX_TIMEOUT_MS } from '../../protocol/server-ops.ts';
-import type { Engine, ExitInfo, Sandbox } from '../engine/engine.ts';
+import type { BootOptions, Engine, ExitInfo, Sandbox } from '../engine/engine.ts';
 import { UserError } from '../errors.ts';
 import { ServiceError } from './errors.ts';
 import { memAvailableBytes } from './meminfo.ts';
@@ -109,6 +109,15 @@ export class SandboxManager {
     return info as SandboxInfo;
   }
 
+  /** Cold-boots an image (no template involved). */
+  async boot(image: string, opts: { memoryMiB?: number; vcpus?: number; timeoutMs?: number } = {}): Promise<SandboxInfo> {
+    const bootOpts: BootOptions = { image };
+    if (opts.memoryMiB !== undefined) bootOpts.memoryMiB = opts.memoryMiB;
+    if (opts.vcpus !== undefined) bootOpts.vcpus = opts.vcpus;
+    const [info] = await this.spawn('boot', null, 1, opts.timeoutMs, async () => [await this.engine.boot(bootOpts)]);
+    return info as SandboxInfo;
+  }
+
   fork(template: string, n: number, timeoutMs?: number): Promise<SandboxInfo[]> {
     return this.spawn('fork', template, n, timeoutMs, () => this.engine.fork(template, n));
   }
@@ -186,7 +195,7 @@ export class SandboxManager {
   // ------------------------------------------------------------------ internals
 
   private async spawn(
-    kind: 'create' | 'fork' | 'branch',
+    kind: 'create' | 'fork' | 'branch' | 'boot',
     template: string | null,
     n: number,
     timeoutMs: number | undefined,

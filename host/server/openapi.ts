@@ -60,10 +60,15 @@ const SandboxIdParam = {
 };
 
 function withoutSandbox(schema: TSchema): Json {
+  return withoutKey(schema, 'sandbox');
+}
+
+/** The object schema without one property (it comes from the path instead). */
+function withoutKey(schema: TSchema, key: string): Json {
   const s = jsonSchema(schema);
   const props = { ...(s.properties as Json) };
-  delete props.sandbox;
-  const required = ((s.required as string[] | undefined) ?? []).filter((r) => r !== 'sandbox');
+  delete props[key];
+  const required = ((s.required as string[] | undefined) ?? []).filter((r) => r !== key);
   const out: Json = { ...s, properties: props };
   if (required.length) out.required = required;
   else delete out.required;
@@ -228,6 +233,17 @@ export function buildOpenApi(version = '1'): Json {
           required: ['n'],
         }),
         responses: { '200': okJson(sandboxMany), ...STD_ERRORS },
+      },
+    },
+    '/v1/images/{image}/boot': {
+      post: {
+        operationId: 'bootImage',
+        summary: 'Cold-boot a sandbox from an image (no template; slower than a fork)',
+        parameters: [
+          { name: 'image', in: 'path', required: true, schema: { type: 'string', pattern: '^[A-Za-z0-9._-]+$' } },
+        ],
+        requestBody: jsonBody(withoutKey(SERVER_OPS['sandbox.boot'].args, 'image')),
+        responses: { '201': okJson(sandboxOne, 'Created'), ...STD_ERRORS },
       },
     },
     '/v1/sandboxes/{id}/files': {

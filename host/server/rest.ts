@@ -121,6 +121,12 @@ export class RestApi {
       const body = await this.body(req);
       return this.json(res, 200, await this.serverOp('sandbox.fork', { ...body, template: seg[2] }));
     }
+    if (seg[1] === 'images' && seg.length === 4 && seg[3] === 'boot') {
+      allow(['POST']);
+      setLabel('sandbox.boot');
+      const body = await this.body(req);
+      return this.json(res, 201, await this.serverOp('sandbox.boot', { ...body, image: seg[2] }));
+    }
     if (seg[1] !== 'sandboxes') throw new ServiceError('not_found', `no route ${path}`);
     if (seg.length === 2) {
       allow(['GET', 'POST']);

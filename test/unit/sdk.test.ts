@@ -237,6 +237,15 @@ test('fork and branch return usable sandboxes; the source goes on', async () => 
   await expectError(NotFoundError, kids[0]?.eval('1') as Promise<unknown>);
 });
 
+test('boot: a sandbox cold-booted from an image, without a template', async () => {
+  const b = await Sandbox.boot({ ...opts, image: 'default', timeoutMs: 60_000 });
+  const info = await b.getInfo();
+  assert.is(info.template, null);
+  assert.is((await b.eval('"booted"')).value, 'booted');
+  assert.is(await b.kill(), true);
+  await expectError(NotFoundError, Sandbox.boot({ ...opts, image: 'no-such-image' }));
+});
+
 test('a sandbox is killed when its timeout passes; a dropped client does not kill it', async () => {
   const t0 = Date.now();
   const short = await Sandbox.create({ ...opts, timeoutMs: 600 });

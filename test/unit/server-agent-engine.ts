@@ -11,7 +11,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { randomBytes } from 'node:crypto';
 import { type AgentClient, connectUnix } from '../../host/agent/client.ts';
-import type { Engine, ExitInfo, Sandbox, SandboxStats, TemplateInfo } from '../../host/engine/engine.ts';
+import type { BootOptions, Engine, ExitInfo, Sandbox, SandboxStats, TemplateInfo } from '../../host/engine/engine.ts';
 import { UserError } from '../../host/errors.ts';
 
 const AGENT = join(import.meta.dirname, '..', '..', 'guest-agent', 'forkling_agent.py');
@@ -67,7 +67,8 @@ export class AgentProcessEngine implements Engine {
   /** How many agents were started (tests check fork counts). */
   started = 0;
 
-  async boot(): Promise<Sandbox> {
+  async boot(opts: BootOptions): Promise<Sandbox> {
+    if (opts.image !== 'default') throw new UserError(`image ${JSON.stringify(opts.image)} does not exist`);
     return this.start();
   }
 

@@ -268,6 +268,10 @@ test('sandbox lifecycle, agent operations and files over REST', async () => {
   assert.is(child.parent, id);
   const stats = await call('GET', '/v1/sandboxes/{id}/stats', p);
   assert.type((stats.body as Json).privateKiB, 'number');
+  const boot = await call('POST', '/v1/images/{image}/boot', { image: 'default' }, { body: { timeoutMs: 30_000 } });
+  assert.is(boot.status, 201);
+  const booted = ((boot.body as Json).sandbox as Json).id as string;
+  assert.equal((await call('DELETE', '/v1/sandboxes/{id}', { id: booted })).body, { killed: true });
   const fk = await call('POST', '/v1/templates/{template}/fork', { template: 'default' }, { body: { n: 2 } });
   const forked = ((fk.body as Json).sandboxes as Json[]).map((s) => s.id as string);
   assert.is(forked.length, 2);
