@@ -133,7 +133,7 @@ test('boot_params, command line, e820, initrd, page tables and GDT for the bzIma
   // The setup header is the image's, with the loader's fields filled in.
   assert.ok(zp.subarray(0x1f1, 0x210).equals(bz.subarray(0x1f1, 0x210)), 'header copied');
   assert.is(zp[0x210], 0xff, 'type_of_loader');
-  assert.is(zp[0x211] & 0x81, 0x81, 'LOADED_HIGH | CAN_USE_HEAP');
+  assert.is((zp[0x211] ?? 0) & 0x81, 0x81, 'LOADED_HIGH | CAN_USE_HEAP');
   assert.is(zp.readUInt16LE(0x224), 0xfe00, 'heap_end_ptr');
   assert.is(zp.readUInt32LE(0x228), vmm.layout.cmdline);
   assert.is(mem.toString('latin1', vmm.layout.cmdline, vmm.layout.cmdline + cmdline.length), cmdline);
