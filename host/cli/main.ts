@@ -16,6 +16,31 @@ const COMMANDS: Record<string, Entry> = {
     summary: 'check this host: KVM, kernel, cgroups, namespaces, store, lab tools',
     load: async () => (await import('./doctor.ts')).doctorCommand,
   },
+  image: {
+    usage: 'image build|ls|inspect|rm ...',
+    summary: 'build and manage guest images (kernel + initramfs from apt)',
+    load: async () => (await import('./image.ts')).imageCommand,
+  },
+  run: {
+    usage: 'run <image> [--eval code | --exec cmd] [--json]',
+    summary: 'cold-boot one microVM from an image, run, power off',
+    load: async () => (await import('./run.ts')).runCommand,
+  },
+  template: {
+    usage: 'template create|ls|rm ...',
+    summary: 'warm templates: booted, warmed-up sandboxes frozen to disk',
+    load: async () => (await import('./template.ts')).templateCommand,
+  },
+  fork: {
+    usage: 'fork <template> -n N [--eval code | --exec cmd] [--json]',
+    summary: 'fork N children from a template and print their answers',
+    load: async () => (await import('./fork.ts')).forkCommand,
+  },
+  serve: {
+    usage: 'serve [--listen host:port] [--token-file f] [--engine e]',
+    summary: 'the WebSocket + REST service for SDKs and agent frameworks',
+    load: async () => (await import('./serve.ts')).serveCommand,
+  },
 };
 
 function help(): string {
