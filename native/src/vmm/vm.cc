@@ -398,6 +398,7 @@ void Vm::SetupBootRegisters(Vcpu& v, uint64_t entry) {
 
 void Vm::Start() {
   if (started_.exchange(true)) return;
+  halt_thread_ = std::thread([this] { HaltWatch(); });
   for (uint32_t i = 0; i < vcpus_.size(); i++) {
     Vcpu& v = *vcpus_[i];
     v.thread = std::thread([this, i] { VcpuLoop(i); });
@@ -543,6 +544,12 @@ void Vm::ConsoleByte(uint8_t b) {
   if (b == '\n' || console_line_.size() >= 4096) {
     // The kernel prints this before panic=-1 resets the machine; the reset is then reported as a panic.
     if (console_line_.find("Kernel panic - not syncing") != std::string::npos) panicked_ = true;
+    if (console_line_.find("reboot: Power down") != std::string::npos ||
+        console_line_.find("reboot: System halted") != std::string::npos) {
+      std::lock_guard<std::mutex> l(halt_mu_);
+      halt_hint_ = true;
+      halt_cv_.notify_all();
+    }
     on_event_(VmEvent{VmEvent::Type::kConsole, {}, {}, std::move(console_line_)});
     console_line_.clear();
   }
@@ -605,11 +612,43 @@ void Vm::Resume() {
   run_cv_.notify_all();
 }
 
+void Vm::HaltWatch() {
+  std::unique_lock<std::mutex> l(halt_mu_);
+  halt_cv_.wait(l, [&] { return halt_hint_ || stop_flag_.load(); });
+  // Up to ~2 s for every vCPU to reach its final halt after the message.
+  for (int attempt = 0; attempt < 100 && !stop_flag_; attempt++) {
+    if (halt_cv_.wait_for(l, std::chrono::milliseconds(20), [&] { return stop_flag_.load(); })) return;
+    l.unlock();
+    Pause();
+    bool all_halted = !stop_flag_;
+    for (auto& v : vcpus_) {
+      kvm_mp_state mp;
+      kvm_regs r;
+      if (ioctl(v->fd, KVM_GET_MP_STATE, &mp) != 0 || ioctl(v->fd, KVM_GET_REGS, &r) != 0 ||
+          mp.mp_state != KVM_MP_STATE_HALTED || (r.rflags & 0x200)) {
+        all_halted = false;
+        break;
+      }
+    }
+    Resume();
+    if (all_halted) {
+      RequestStop("poweroff", "the guest powered off (all vCPUs halted with interrupts disabled)");
+      return;
+    }
+    l.lock();
+  }
+}
+
 void Vm::Kill() {
   if (killed_.exchange(true)) return;
   stopped_ = true;
   stop_flag_ = true;
   KickAll();
+  {
+    std::lock_guard<std::mutex> l(halt_mu_);
+    halt_cv_.notify_all();
+  }
+  if (halt_thread_.joinable()) halt_thread_.join();
   for (auto& v : vcpus_) {
     if (v->thread.joinable()) v->thread.join();
     v->in_thread = false;

@@ -137,6 +137,7 @@ class Vm {
   void IrqPulse(uint32_t irq);
   void SignalMsi(uint64_t address, uint32_t data);
   void ConsoleByte(uint8_t b);
+  void HaltWatch();
 
   VmConfig cfg_;
   EventFn on_event_;
@@ -157,6 +158,13 @@ class Vm {
   std::shared_ptr<VirtioVsock> vsock_;
   std::string console_line_;
   std::atomic<bool> panicked_{false};
+  // Poweroff without ACPI: the kernel prints "reboot: Power down" (or "System
+  // halted") and halts every CPU with interrupts off. The console line wakes
+  // this thread, which confirms that state and ends the VM.
+  std::thread halt_thread_;
+  std::mutex halt_mu_;
+  std::condition_variable halt_cv_;
+  bool halt_hint_ = false;
 
   // Run state.
   std::atomic<bool> started_{false};
