@@ -4,7 +4,10 @@
 import { UserError } from '../../errors.ts';
 import { ensureImage } from '../../images.ts';
 import type { BootOptions, Engine, Sandbox, TemplateInfo, TemplateOptions } from '../engine.ts';
+import { type BranchFigures, branchChildren } from './branch.ts';
 import { kernelCmdline } from './cmdline.ts';
+import { startChildren } from './fork.ts';
+import { createKvmTemplate, loadTemplate, templateExists } from './template.ts';
 import { KvmSandbox } from './vm.ts';
 
 export const KVM_ISOLATION = 'each sandbox is a KVM virtual machine with its own kernel';
@@ -52,16 +55,45 @@ export class KvmEngine implements Engine {
     return sb;
   }
 
-  async createTemplate(_opts: TemplateOptions): Promise<TemplateInfo> {
-    throw new UserError('templates on the kvm engine are not implemented yet (KVM part 2)', 'use --engine process for templates for now');
+  // Templates, fork and branch (part 2): template.ts, fork.ts, branch.ts.
+  /** Figures of the last branch (pause of the source, pages copied), for benchmarks. */
+  lastBranch: BranchFigures | null = null;
+  private readonly creatingTemplates = new Map<string, Promise<TemplateInfo>>();
+
+  async createTemplate(opts: TemplateOptions): Promise<TemplateInfo> {
+    const memoryMiB = opts.memoryMiB ?? DEFAULT_MEMORY_MIB;
+    const vcpus = opts.vcpus ?? 1;
+    checkResources(memoryMiB, vcpus);
+    return createKvmTemplate((o) => this.boot(o), { ...opts, memoryMiB, vcpus });
   }
 
-  async fork(_template: string, _n: number): Promise<Sandbox[]> {
-    throw new UserError('fork on the kvm engine is not implemented yet (KVM part 2)', 'use --engine process for fork for now');
+  async fork(template: string, n: number): Promise<KvmSandbox[]> {
+    if (!templateExists(template)) {
+      if (template !== 'default') loadTemplate(template); // throws "does not exist"
+      let p = this.creatingTemplates.get(template);
+      if (!p) {
+        p = this.createTemplate({ name: 'default', image: 'default' }).finally(() => this.creatingTemplates.delete(template));
+        this.creatingTemplates.set(template, p);
+      }
+      await p;
+    }
+    const { snapshot } = loadTemplate(template);
+    return this.track(await startChildren(snapshot, n, { prefix: 'vm' }));
   }
 
-  async branch(_source: Sandbox, _n: number): Promise<Sandbox[]> {
-    throw new UserError('branch on the kvm engine is not implemented yet (KVM part 2)', 'use --engine process for branch for now');
+  async branch(source: Sandbox, n: number): Promise<KvmSandbox[]> {
+    if (!(source instanceof KvmSandbox) || !this.live.has(source)) throw new UserError('branch: the source is not a live sandbox of this kvm engine');
+    const { children, figures } = await branchChildren(source, n);
+    this.lastBranch = figures;
+    return this.track(children);
+  }
+
+  private track(children: KvmSandbox[]): KvmSandbox[] {
+    for (const c of children) {
+      this.live.add(c);
+      void c.exited.then(() => this.live.delete(c));
+    }
+    return children;
   }
 
   async close(): Promise<void> {

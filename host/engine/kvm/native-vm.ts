@@ -13,6 +13,35 @@ export interface NativeVmOptions {
   vsockCid?: number;
   /** virtio-rng (default true) */
   rng?: boolean;
+  /**
+   * Restore this snapshot (from snapshot.loadTemplate() or vm.branch())
+   * instead of booting: kernel, initrd and cmdline are ignored, memory and
+   * vCPUs come from the snapshot.
+   */
+  restore?: NativeSnapshot;
+}
+
+/** A snapshot a VM can be restored from (template or branch), held by the addon. */
+export interface NativeSnapshot {
+  readonly handle: unknown;
+  readonly what: string;
+  readonly memoryMiB: number;
+  readonly vcpus: number;
+  /** Diff layers over the template's memory file (0 for a template). */
+  readonly depth: number;
+}
+
+export interface NativeBranch {
+  snapshot: NativeSnapshot;
+  /** How long the source's vCPUs were stopped. */
+  pauseUs: number;
+  /** Pages the source had written since it was restored. */
+  privatePages: number;
+  /** Pages in the new diff layer (private pages plus filled gaps). */
+  diffPages: number;
+  runs: number;
+  depth: number;
+  collapsed: boolean;
 }
 
 export type NativeVmEvent =
@@ -43,6 +72,12 @@ export interface NativeVm {
   stats(): NativeVmStats;
   /** Registers of every vCPU, one line each (pauses them for a moment). */
   debugState(): string;
+  /** Writes dir/state.bin and dir/memory.bin; the VM must be paused. */
+  saveTemplate(dir: string): { memory: { size: number; dataPages: number; checksum: number }; stateBytes: number; saveMs: number; memoryMs: number };
+  /** Pauses, captures state and written pages into a diff layer (an unlinked file in dir), resumes. */
+  branch(dir: string): NativeBranch;
+  /** Guest RAM pages this VM owns alone (private) and shares with the page cache. */
+  memoryUsage(): { guestPrivateBytes: number; guestSharedBytes: number; guestMemfdBytes: number };
 }
 
 export interface NativeVmClass {

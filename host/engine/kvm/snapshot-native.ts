@@ -3,6 +3,7 @@
 // layers. Errors for a bad file carry code 'ECORRUPT' and a message that
 // names what was loaded ("template X is corrupt: ...").
 import { type Mapping, native } from '../../native.ts';
+import type { NativeSnapshot } from './native-vm.ts';
 
 export interface StateSection {
   tag: number;
@@ -42,6 +43,8 @@ export interface SnapshotNative {
   collapseDiffs(chain: DiffLayerHandle[], fd: number): void;
   mapLayered(baseFd: number, size: number, chain: DiffLayerHandle[]): ArrayBuffer;
   createTempDiffFile(dir: string): number;
+  /** Reads and checks dir/state.bin and dir/memory.bin; the result restores VMs (NativeVmOptions.restore). */
+  loadTemplate(dir: string, what: string): NativeSnapshot;
 }
 
 /** Section tags as the C++ side spells them (four ASCII characters, little-endian). */

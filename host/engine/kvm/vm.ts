@@ -9,7 +9,7 @@ import { join } from 'node:path';
 import { AgentClient, AgentError } from '../../agent/client.ts';
 import { UserError } from '../../errors.ts';
 import type { ExitInfo, Sandbox, SandboxStats } from '../engine.ts';
-import { type NativeVm, type NativeVmEvent, nativeVmClass } from './native-vm.ts';
+import { type NativeSnapshot, type NativeVm, type NativeVmEvent, nativeVmClass } from './native-vm.ts';
 import { VsockConnectError, vsockConnect } from './vsock.ts';
 
 export const AGENT_PORT = 1024;
@@ -23,6 +23,8 @@ export interface KvmBootSpec {
   vcpus: number;
   onConsole?: (line: string) => void;
   readyTimeoutMs: number;
+  /** Restore this snapshot instead of booting the kernel (fork and branch children, fork.ts). */
+  restore?: NativeSnapshot;
 }
 
 /** Where the VMs' vsock sockets live: $XDG_RUNTIME_DIR or the temp dir, private to this user. */
@@ -83,6 +85,7 @@ export class KvmSandbox implements Sandbox {
           memoryMiB: spec.memoryMiB,
           vcpus: spec.vcpus,
           vsockPath: this.vsockPath,
+          ...(spec.restore ? { restore: spec.restore } : {}),
         },
         (events) => this.onEvents(events),
       );
@@ -105,6 +108,21 @@ export class KvmSandbox implements Sandbox {
       await sb.kill();
       throw e;
     }
+  }
+
+  /** A VM restored from a snapshot, created but not started (fork.ts starts it and restores its agent). */
+  static fromSnapshot(spec: KvmBootSpec, id: string): KvmSandbox {
+    return new KvmSandbox(id, spec);
+  }
+
+  /** The native VM, for snapshot operations; throws once the sandbox has ended. */
+  nativeVm(): NativeVm {
+    return this.live();
+  }
+
+  /** Hands a restored sandbox its agent connection (fork.ts, once restore answered). */
+  attachAgent(client: AgentClient): void {
+    this.client = client;
   }
 
   get agent(): AgentClient {
@@ -183,11 +201,24 @@ export class KvmSandbox implements Sandbox {
           const sock = await vsockConnect(this.vsockPath, AGENT_PORT, Math.min(left, 10_000));
           sock.setNoDelay?.(true);
           const client = new AgentClient(sock);
+          // A connected agent answers at once; one that does not (a broken
+          // data path) must not stall the boot past its limit.
+          let timer: NodeJS.Timeout | undefined;
           try {
-            await client.hello();
+            await Promise.race([
+              client.hello(),
+              new Promise((_, reject) => {
+                timer = setTimeout(
+                  () => reject(new AgentError('timeout', 'connected, but the agent did not answer hello within 10 s')),
+                  Math.min(Math.max(deadline - performance.now(), 1), 10_000),
+                );
+              }),
+            ]);
           } catch (e) {
             client.close();
             throw e;
+          } finally {
+            clearTimeout(timer);
           }
           this.client = client;
           return;
@@ -245,7 +276,16 @@ export class KvmSandbox implements Sandbox {
 
   /** Guest pages the VM holds now and the VMM's counters (exits by kind, vsock, interrupts). */
   async stats(): Promise<SandboxStats> {
-    const s = this.live().stats();
+    const vm = this.live();
+    const s = vm.stats();
+    if (this.spec.restore) {
+      // A restored VM maps its template: count only the pages it owns alone.
+      const m = vm.memoryUsage();
+      return {
+        privateKiB: Math.round(m.guestPrivateBytes / 1024),
+        counters: { ...s.counters, memoryBytes: s.memoryBytes, guestPrivateKiB: m.guestPrivateBytes / 1024, guestSharedKiB: m.guestSharedBytes / 1024 },
+      };
+    }
     return { privateKiB: Math.round(s.residentBytes / 1024), counters: { ...s.counters, memoryBytes: s.memoryBytes } };
   }
 

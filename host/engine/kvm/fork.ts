@@ -1,0 +1,86 @@
+// Children of a snapshot (a template, or a branch of a running sandbox): each
+// is a new VM whose RAM is the template's memory file mapped MAP_PRIVATE (plus
+// the branch's diff layers), with the saved vCPU, KVM and device state. Once
+// its vCPUs run, the host connects over vsock and calls the agent's
+// `restore` (fresh entropy, wall clock, hostname, sandbox id) before anything
+// else; the child is ready when that call returns.
+import { randomBytes } from 'node:crypto';
+import { AgentClient } from '../../agent/client.ts';
+import { UserError } from '../../errors.ts';
+import type { NativeSnapshot } from './native-vm.ts';
+import { AGENT_PORT, KvmSandbox } from './vm.ts';
+import { VsockConnectError, vsockConnect } from './vsock.ts';
+
+export const MAX_CHILDREN = 1024;
+/** A restored guest answers within milliseconds; this bounds a broken one. */
+export const CHILD_READY_TIMEOUT_MS = 30_000;
+
+/** Connects to a restored child's agent: the listener survived the snapshot, the connection attempts back off briefly. */
+async function restoreAgent(sb: KvmSandbox, timeoutMs: number): Promise<AgentClient> {
+  const deadline = performance.now() + timeoutMs;
+  let delay = 1;
+  let last = '';
+  for (;;) {
+    const left = deadline - performance.now();
+    if (left <= 0) throw new Error(`child ${sb.id}: its agent did not answer within ${timeoutMs} ms (${last})`);
+    try {
+      const sock = await vsockConnect(sb.vsockPath, AGENT_PORT, Math.min(left, 5000));
+      const client = new AgentClient(sock);
+      try {
+        await client.hello();
+        await client.restore({ entropy: randomBytes(64), time: Date.now() / 1000, hostname: sb.id, sandboxId: sb.id });
+      } catch (e) {
+        client.close();
+        throw e;
+      }
+      return client;
+    } catch (e) {
+      if (e instanceof VsockConnectError && !e.retryable) throw e;
+      last = (e as Error).message;
+    }
+    await new Promise((r) => setTimeout(r, delay));
+    delay = Math.min(delay * 2, 50);
+  }
+}
+
+/** n children of `snapshot`, all ready; on any failure every child made here is killed and the error thrown. */
+export async function startChildren(
+  snapshot: NativeSnapshot,
+  n: number,
+  opts: { prefix: string; onConsole?: (id: string, line: string) => void; readyTimeoutMs?: number } = { prefix: 'vm' },
+): Promise<KvmSandbox[]> {
+  if (!Number.isInteger(n) || n < 1 || n > MAX_CHILDREN) throw new UserError(`cannot start ${n} children`, `n must be an integer from 1 to ${MAX_CHILDREN}`);
+  const children: KvmSandbox[] = [];
+  try {
+    // VM creation and state restore are synchronous C++ (a few ms each); the
+    // guests start running at once, while the next ones are created.
+    for (let i = 0; i < n; i++) {
+      const id = `${opts.prefix}-${randomBytes(6).toString('hex')}`;
+      const sb = KvmSandbox.fromSnapshot(
+        {
+          kernel: '',
+          cmdline: '',
+          memoryMiB: snapshot.memoryMiB,
+          vcpus: snapshot.vcpus,
+          readyTimeoutMs: opts.readyTimeoutMs ?? CHILD_READY_TIMEOUT_MS,
+          restore: snapshot,
+          ...(opts.onConsole ? { onConsole: (l: string) => opts.onConsole?.(id, l) } : {}),
+        },
+        id,
+      );
+      children.push(sb);
+      sb.nativeVm().start();
+    }
+    await Promise.all(
+      children.map(async (sb) => {
+        const client = await restoreAgent(sb, opts.readyTimeoutMs ?? CHILD_READY_TIMEOUT_MS);
+        sb.attachAgent(client);
+        sb.timings.readyAt = performance.now();
+      }),
+    );
+    return children;
+  } catch (e) {
+    await Promise.all(children.map((c) => c.kill().catch(() => {})));
+    throw e;
+  }
+}

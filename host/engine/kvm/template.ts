@@ -1,0 +1,119 @@
+// KVM templates: a booted, warmed-up VM frozen to the store as
+// templates/<name>/{state.bin, memory.bin, template.json} (written into a
+// staging directory that replaces the old one atomically). The state and
+// memory files are checked when loaded: a missing, truncated or corrupt
+// template is refused with an error that names it, never restored.
+import { existsSync, readFileSync } from 'node:fs';
+import { join } from 'node:path';
+import { checkName, UserError } from '../../errors.ts';
+import { buildDirAtomic, storePath } from '../../store.ts';
+import type { TemplateInfo, TemplateOptions } from '../engine.ts';
+import type { NativeSnapshot } from './native-vm.ts';
+import { snapshotNative } from './snapshot-native.ts';
+import type { KvmSandbox } from './vm.ts';
+
+export const STATE_FILE = 'state.bin';
+export const MEMORY_FILE = 'memory.bin';
+export const INFO_FILE = 'template.json';
+
+export function templateDir(name: string): string {
+  return storePath('templates', checkName('template', name));
+}
+
+export function templateExists(name: string): boolean {
+  return existsSync(join(templateDir(name), INFO_FILE));
+}
+
+export function readTemplateInfo(name: string): TemplateInfo {
+  const path = join(templateDir(name), INFO_FILE);
+  if (!existsSync(path)) throw new UserError(`template ${JSON.stringify(name)} does not exist`, 'create it: forkling template create <name> --image <image>');
+  let info: TemplateInfo;
+  try {
+    info = JSON.parse(readFileSync(path, 'utf8')) as TemplateInfo;
+  } catch (e) {
+    throw new UserError(`template ${name} is corrupt: ${INFO_FILE} is not valid JSON (${(e as Error).message})`, `remove it (forkling template rm ${name}) and create it again`);
+  }
+  if (info.engine !== 'kvm' || info.name !== name || !Number.isInteger(info.memoryMiB) || !Number.isInteger(info.vcpus)) {
+    throw new UserError(`template ${name} is corrupt: ${INFO_FILE} does not describe a kvm template named ${name}`, `remove it (forkling template rm ${name}) and create it again`);
+  }
+  return info;
+}
+
+/**
+ * The template's snapshot, checked: state file sections and checksums, and
+ * the memory file's size and checksum (the memory check runs once per
+ * process per file; the addon caches it by inode and mtime).
+ */
+export function loadTemplate(name: string): { info: TemplateInfo; snapshot: NativeSnapshot } {
+  const info = readTemplateInfo(name);
+  try {
+    const snapshot = snapshotNative().loadTemplate(templateDir(name), `template ${name}`);
+    if (snapshot.memoryMiB !== info.memoryMiB || snapshot.vcpus !== info.vcpus) {
+      throw new UserError(`template ${name} is corrupt: its state file and ${INFO_FILE} disagree about memory or vCPUs`, `remove it (forkling template rm ${name}) and create it again`);
+    }
+    return { info, snapshot };
+  } catch (e) {
+    if ((e as { code?: string }).code === 'ECORRUPT') {
+      throw new UserError((e as Error).message, `remove it (forkling template rm ${name}) and create it again`);
+    }
+    throw e;
+  }
+}
+
+/** Waits (polling the device's own counter, bounded) until the guest has no vsock connection left. */
+async function waitNoConnections(sb: KvmSandbox, timeoutMs: number): Promise<void> {
+  const deadline = performance.now() + timeoutMs;
+  for (;;) {
+    const s = sb.nativeVm().stats();
+    if ((s.counters.vsock_connections ?? 0) === 0) return;
+    if (performance.now() > deadline) throw new Error(`the template VM still has ${s.counters.vsock_connections} vsock connections after ${timeoutMs} ms`);
+    await new Promise((r) => setTimeout(r, 2));
+  }
+}
+
+/**
+ * Boots `opts.image`, runs the warm-up in the agent's default context,
+ * quiesces (the host closes its connection and waits until the device has
+ * none), pauses every vCPU and writes the template. The VM is killed after.
+ */
+export async function createKvmTemplate(
+  boot: (o: { image: string; memoryMiB?: number; vcpus?: number }) => Promise<KvmSandbox>,
+  opts: TemplateOptions & { memoryMiB: number; vcpus: number },
+): Promise<TemplateInfo> {
+  checkName('template', opts.name);
+  checkName('image', opts.image);
+  const sb = await boot({ image: opts.image, memoryMiB: opts.memoryMiB, vcpus: opts.vcpus });
+  try {
+    if (opts.warmup) {
+      const r = await sb.agent.eval(opts.warmup);
+      if (r.exception) {
+        throw new UserError(
+          `the warm-up of template ${opts.name} failed: ${r.exception.type}: ${r.exception.message}`,
+          r.exception.traceback ? r.exception.traceback.trim().split('\n').slice(-6).join('\n') : undefined,
+        );
+      }
+    }
+    // Quiesce: the warm-up is done; no connection may be copied into children.
+    sb.agent.close();
+    await waitNoConnections(sb, 10_000);
+    const vm = sb.nativeVm();
+    vm.pause();
+    const info: TemplateInfo = {
+      name: opts.name,
+      engine: 'kvm',
+      image: opts.image,
+      createdAt: new Date().toISOString(),
+      memoryMiB: opts.memoryMiB,
+      vcpus: opts.vcpus,
+      ...(opts.warmup !== undefined ? { warmup: opts.warmup } : {}),
+    };
+    await buildDirAtomic(templateDir(opts.name), async (staging) => {
+      const w = vm.saveTemplate(staging);
+      const { writeFileSync } = await import('node:fs');
+      writeFileSync(join(staging, INFO_FILE), `${JSON.stringify({ ...info, memoryFile: w.memory, stateBytes: w.stateBytes }, null, 2)}\n`);
+    });
+    return info;
+  } finally {
+    await sb.kill();
+  }
+}
