@@ -6,7 +6,8 @@
 // overlay layer, its own namespaces, its own cgroup. Same agent, same protocol
 // and client as a VM; weaker isolation (one shared kernel), said every time.
 import { randomBytes } from 'node:crypto';
-import { closeSync, createReadStream, existsSync, mkdirSync, readdirSync, readFileSync, rmSync, symlinkSync, unlinkSync } from 'node:fs';
+import { closeSync, existsSync, mkdirSync, readdirSync, readFileSync, rmSync, symlinkSync, unlinkSync } from 'node:fs';
+import { Socket } from 'node:net';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { type AgentClient, connectUnix } from '../../agent/client.ts';
@@ -264,7 +265,10 @@ export class ProcessEngine implements Engine {
       ready = res;
     });
     let partial = '';
-    const stream = createReadStream('', { fd: r, encoding: 'utf8' });
+    // A net.Socket, not fs.createReadStream: a pipe read through fs blocks a thread-pool thread.
+    const stream = new Socket({ fd: r, readable: true, writable: false });
+    stream.setEncoding('utf8');
+    stream.unref();
     stream.on('data', (d: string | Buffer) => {
       partial += d.toString();
       const lines = partial.split('\n');
@@ -305,7 +309,10 @@ export class ProcessEngine implements Engine {
     try {
       process.kill(root.pid, 'SIGKILL');
     } catch {}
-    await root.keeperExited;
+    // The pid watch does not hold the event loop; this timer does, while we wait (and bounds the wait).
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    await Promise.race([root.keeperExited, new Promise((r) => (timer = setTimeout(r, 10000)))]);
+    clearTimeout(timer);
     if (root.cgroup) await this.cgroups.remove(root.cgroup).catch((e: Error) => this.warn(`forkling: ${e.message}`));
     rmSync(root.dir, { recursive: true, force: true });
   }

@@ -35,11 +35,16 @@ export interface Launched {
   keeperPid: number;
 }
 
-interface SandboxAddon {
+interface RawAddon {
   sandboxLaunch(opts: LaunchOptions): Launched;
   sandboxReap(pid: number): ExitStatus | null;
-  sandboxWait(pid: number): Promise<ExitStatus>;
+  sandboxWatch(pid: number, cb: (s: ExitStatus) => void): void;
   sandboxPipe(): [number, number];
+}
+
+export interface SandboxAddon extends RawAddon {
+  /** Resolves when our child `pid` has exited, and reaps it (a pidfd on the event loop; does not keep Node alive). */
+  sandboxWait(pid: number): Promise<ExitStatus>;
 }
 
 let addon: SandboxAddon | null = null;
@@ -49,11 +54,15 @@ export function sandboxAddon(): SandboxAddon {
   if (!addon) {
     const req = createRequire(import.meta.url);
     // FORKLING_ADDON: a private copy of the addon (a shared build directory is rebuilt from scratch by node-gyp).
-    const mod = req(process.env.FORKLING_ADDON || ADDON_PATH) as Partial<SandboxAddon>;
-    if (typeof mod.sandboxLaunch !== 'function') {
-      throw new Error(`the native addon at ${ADDON_PATH} has no sandboxLaunch: rebuild it with npm run build:native`);
+    const mod = req(process.env.FORKLING_ADDON || ADDON_PATH) as Partial<RawAddon>;
+    if (typeof mod.sandboxLaunch !== 'function' || typeof mod.sandboxWatch !== 'function') {
+      throw new Error(`the native addon at ${ADDON_PATH} has no sandboxLaunch/sandboxWatch: rebuild it with npm run build:native`);
     }
-    addon = mod as SandboxAddon;
+    const raw = mod as RawAddon;
+    addon = {
+      ...raw,
+      sandboxWait: (pid) => new Promise((resolve) => raw.sandboxWatch(pid, resolve)),
+    };
   }
   return addon;
 }

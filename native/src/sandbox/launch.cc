@@ -47,6 +47,8 @@
 #include <string>
 #include <vector>
 
+#include <uv.h>
+
 #include "errno_error.h"
 
 #ifndef MS_NOSYMFOLLOW
@@ -430,7 +432,7 @@ void KillAndReap(pid_t pid) {
 // sandboxLaunch({rootfs, stage, runDir, agentDir?, hostname, argv, env, cgroupProcs,
 //                layerSizeMiB?, stdoutFd?, seccomp}) -> {pid, keeperPid}
 // pid: the sandbox (PID 1 of its namespaces, as seen here); keeperPid: our
-// child that waits for it (reap it with sandboxWait/sandboxReap).
+// child that waits for it (reap it with sandboxWatch or sandboxReap).
 Napi::Value Launch(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   if (!info[0].IsObject()) throw Napi::TypeError::New(env, "options must be an object");
@@ -589,38 +591,73 @@ Napi::Value Reap(const Napi::CallbackInfo& info) {
   return StatusObject(env, st);
 }
 
-// sandboxWait(pid) -> Promise<{code, signal}>: waits in the thread pool. Call
-// it only for a process that is ending (killed, or its agent went away).
-class WaitWorker : public Napi::AsyncWorker {
- public:
-  WaitWorker(Napi::Env env, pid_t pid) : Napi::AsyncWorker(env), pid_(pid), deferred_(Napi::Promise::Deferred::New(env)) {}
-  Napi::Promise Promise() { return deferred_.Promise(); }
-  void Execute() override {
-    pid_t r;
-    do {
-      r = waitpid(pid_, &st_, __WALL);
-    } while (r < 0 && errno == EINTR);
-    err_ = r < 0 ? errno : 0;
-  }
-  void OnOK() override {
-    if (err_) deferred_.Reject(ErrnoError(Env(), "waitpid", err_).Value());
-    else deferred_.Resolve(StatusObject(Env(), st_));
-  }
-
- private:
-  pid_t pid_;
-  int st_ = 0;
-  int err_ = 0;
-  Napi::Promise::Deferred deferred_;
+// sandboxWatch(pid, callback): calls callback({code, signal}) once our child
+// `pid` has exited (and reaps it). Event-driven: a pidfd polled by the event
+// loop, never a blocked thread-pool thread. The watch does not keep the loop
+// alive (PDEATHSIG ends the child if this process goes first).
+struct PidWatch {
+  uv_poll_t poll;
+  int pidfd;
+  pid_t pid;
+  napi_env env;
+  Napi::FunctionReference callback;
+  Napi::AsyncContext* context;
 };
 
-Napi::Value Wait(const Napi::CallbackInfo& info) {
+void OnPidfd(uv_poll_t* handle, int status, int events) {
+  auto* w = static_cast<PidWatch*>(handle->data);
+  int st = 0;
+  pid_t r = waitpid(w->pid, &st, WNOHANG | __WALL);
+  if (r == 0) return;  // not yet (spurious wake-up)
+  uv_poll_stop(handle);
+  Napi::Env env(w->env);
+  {
+    Napi::HandleScope scope(env);
+    Napi::Object result = r > 0 ? StatusObject(env, st) : Napi::Object::New(env);
+    if (r < 0) {
+      result.Set("code", env.Null());
+      result.Set("signal", env.Null());
+    }
+    Napi::CallbackScope cs(env, *w->context);  // runs the microtasks the callback queues
+    w->callback.Call({result});
+  }
+  uv_close(reinterpret_cast<uv_handle_t*>(handle), [](uv_handle_t* h) {
+    auto* w = static_cast<PidWatch*>(h->data);
+    close(w->pidfd);
+    delete w->context;
+    delete w;
+  });
+}
+
+Napi::Value Watch(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   if (!info[0].IsNumber()) throw Napi::TypeError::New(env, "pid must be a number");
-  auto* w = new WaitWorker(env, info[0].As<Napi::Number>().Int32Value());
-  Napi::Promise p = w->Promise();
-  w->Queue();
-  return p;
+  if (!info[1].IsFunction()) throw Napi::TypeError::New(env, "callback must be a function");
+  pid_t pid = info[0].As<Napi::Number>().Int32Value();
+  int fd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+  if (fd < 0) throw ErrnoError(env, "pidfd_open", errno);
+  uv_loop_s* loop = nullptr;
+  if (napi_get_uv_event_loop(env, &loop) != napi_ok || loop == nullptr) {
+    close(fd);
+    throw Napi::Error::New(env, "no event loop");
+  }
+  auto* w = new PidWatch;
+  w->pidfd = fd;
+  w->pid = pid;
+  w->env = env;
+  w->callback = Napi::Persistent(info[1].As<Napi::Function>());
+  w->context = new Napi::AsyncContext(env, "forkling.sandboxWatch");
+  w->poll.data = w;
+  int e = uv_poll_init(loop, &w->poll, fd);
+  if (e == 0) e = uv_poll_start(&w->poll, UV_READABLE, OnPidfd);
+  if (e != 0) {
+    close(fd);
+    delete w->context;
+    delete w;
+    throw Napi::Error::New(env, std::string("uv_poll on a pidfd failed: ") + uv_strerror(e));
+  }
+  uv_unref(reinterpret_cast<uv_handle_t*>(&w->poll));
+  return env.Undefined();
 }
 
 // pipe2(O_CLOEXEC) -> [readFd, writeFd]: the console pipe of a zygote.
@@ -639,7 +676,7 @@ Napi::Value Pipe(const Napi::CallbackInfo& info) {
 void InitSandbox(Napi::Env env, Napi::Object exports) {
   exports.Set("sandboxLaunch", Napi::Function::New(env, Launch, "sandboxLaunch"));
   exports.Set("sandboxReap", Napi::Function::New(env, Reap, "sandboxReap"));
-  exports.Set("sandboxWait", Napi::Function::New(env, Wait, "sandboxWait"));
+  exports.Set("sandboxWatch", Napi::Function::New(env, Watch, "sandboxWatch"));
   exports.Set("sandboxPipe", Napi::Function::New(env, Pipe, "sandboxPipe"));
 }
 

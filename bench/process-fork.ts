@@ -1,0 +1,96 @@
+// The process engine, side by side in one run: N = 1, 10, 100 children forked
+// from a warm zygote (warm-up: `import numpy`) against a cold start of the same
+// sandbox without a zygote (new namespaces, python3 start, the same warm-up from
+// scratch). "Ready" = every child has answered its first eval. Private memory
+// per child = Private_* of smaps_rollup of its processes while alive, after
+// that first answer. Builds the image `numpy` (default + python3-numpy) once.
+//   npx tsx bench/process-fork.ts [--image NAME] [--no-cold]
+import { buildImage, imageExists, loadImage } from '../host/images.ts';
+import type { Sandbox } from '../host/engine/engine.ts';
+import { ProcessEngine } from '../host/engine/process/engine.ts';
+
+const args = process.argv.slice(2);
+const imageArg = args.indexOf('--image');
+const IMAGE = imageArg >= 0 ? args[imageArg + 1]! : 'numpy';
+const COLD = !args.includes('--no-cold');
+const WARMUP = 'import numpy';
+const NS = [1, 10, 100];
+
+if (!imageExists(IMAGE)) {
+  if (IMAGE !== 'numpy') throw new Error(`image ${IMAGE} does not exist`);
+  console.error('building image numpy (default + python3-numpy) once...');
+  await buildImage({ name: 'numpy', extras: ['python3-numpy'], ifMissing: true });
+}
+const rootfs = loadImage(IMAGE).rootfs;
+const engine = new ProcessEngine({ rootfsOf: async () => rootfs });
+const TEMPLATE = `bench-fork-${process.pid}`;
+
+const median = (xs: number[]) => {
+  const s = [...xs].sort((a, b) => a - b);
+  return s[Math.floor(s.length / 2)] ?? Number.NaN;
+};
+
+async function firstAnswers(kids: Sandbox[], t0: number): Promise<number> {
+  await Promise.all(
+    kids.map(async (k) => {
+      const r = await k.agent.eval('1 + 1');
+      if (r.value !== 2) throw new Error(`child ${k.id}: eval 1+1 gave ${r.repr}`);
+    }),
+  );
+  return performance.now() - t0;
+}
+
+interface Row {
+  n: number;
+  forkMs: number;
+  forkPrivKiB: number;
+  forkPrivMaxKiB: number;
+  coldMs?: number;
+  coldPrivKiB?: number;
+}
+
+try {
+  const tt = performance.now();
+  await engine.createTemplate({ name: TEMPLATE, image: IMAGE, warmup: WARMUP });
+  console.log(`template (zygote start + ${WARMUP}): ${(performance.now() - tt).toFixed(0)} ms; engine: ${engine.isolation}`);
+  if (engine.cgroups.warning) console.log(`cgroups: ${engine.cgroups.warning}`);
+  const warm = await engine.fork(TEMPLATE, 1); // the first fork freezes the template's base layer
+  await Promise.all(warm.map((k) => k.kill()));
+
+  const rows: Row[] = [];
+  for (const n of NS) {
+    const t0 = performance.now();
+    const kids = await engine.fork(TEMPLATE, n);
+    const forkMs = await firstAnswers(kids, t0);
+    const priv = await Promise.all(kids.map(async (k) => (await k.stats()).privateKiB));
+    await Promise.all(kids.map((k) => k.kill()));
+    rows.push({ n, forkMs, forkPrivKiB: median(priv), forkPrivMaxKiB: Math.max(...priv) });
+  }
+  if (COLD) {
+    for (const row of rows) {
+      const t0 = performance.now();
+      const boxes = await Promise.all(
+        Array.from({ length: row.n }, async () => {
+          const s = await engine.boot({ image: IMAGE, readyTimeoutMs: 300000 });
+          const r = await s.agent.eval(WARMUP);
+          if (r.exception) throw new Error(`cold warm-up failed: ${r.exception.message}`);
+          return s;
+        }),
+      );
+      row.coldMs = await firstAnswers(boxes, t0);
+      row.coldPrivKiB = median(await Promise.all(boxes.map(async (b) => (await b.stats()).privateKiB)));
+      await Promise.all(boxes.map((b) => b.kill()));
+    }
+  }
+  console.log('\n    N | fork: all ready ms | private KiB/child (median, max) | cold: all ready ms | cold private KiB | cold/fork');
+  for (const r of rows) {
+    console.log(
+      `${String(r.n).padStart(5)} | ${r.forkMs.toFixed(1).padStart(18)} | ${`${r.forkPrivKiB}, ${r.forkPrivMaxKiB}`.padStart(31)} | ` +
+        `${r.coldMs === undefined ? '-'.padStart(18) : r.coldMs.toFixed(1).padStart(18)} | ${String(r.coldPrivKiB ?? '-').padStart(16)} | ` +
+        `${r.coldMs === undefined ? '-' : `${(r.coldMs / r.forkMs).toFixed(1)}x`}`,
+    );
+  }
+  console.log('\ngoals: 100 children ready within 150 ms; under 512 KiB private per idle child; at least 50x faster than cold with numpy');
+} finally {
+  await engine.close();
+}
