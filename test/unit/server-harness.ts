@@ -37,6 +37,8 @@ export interface ServeOptions {
   defaultTimeoutMs?: number;
   maxInFlight?: number;
   tls?: { certFile: string; keyFile: string };
+  /** Engine of the CLI server (default process); the in-process server always uses the helper engine. */
+  engine?: 'process' | 'kvm';
   extraArgs?: string[];
 }
 
@@ -58,11 +60,12 @@ export function tokenFile(token: string): string {
 }
 
 export async function serve(opts: ServeOptions = {}): Promise<Served> {
+  if (opts.engine === 'kvm') return serveCli(opts);
   return serverMode() === 'cli' ? serveCli(opts) : serveInProcess(opts);
 }
 
 async function serveCli(opts: ServeOptions): Promise<Served> {
-  const args = ['serve', '--listen', '127.0.0.1:0', '--engine', 'process', '--drain-ms', '2000'];
+  const args = ['serve', '--listen', '127.0.0.1:0', '--engine', opts.engine ?? 'process', '--drain-ms', '2000'];
   if (opts.token) args.push('--token-file', tokenFile(opts.token));
   if (opts.maxSandboxes) args.push('--max-sandboxes', String(opts.maxSandboxes));
   if (opts.defaultTimeoutMs) args.push('--default-timeout-ms', String(opts.defaultTimeoutMs));
