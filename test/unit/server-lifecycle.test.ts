@@ -3,6 +3,7 @@
 // sandbox and exits 0.
 import * as assert from 'uvu/assert';
 import { suite } from 'uvu';
+import { LimitError, Sandbox } from '../../host/index.ts';
 import { RawClient, serve } from './server-harness.ts';
 
 const test = suite('server-lifecycle');
@@ -43,6 +44,28 @@ test('SIGTERM drains open requests, refuses new ones, kills sandboxes, exits 0',
   else {
     // the helper engine's agents are host processes: the killed one is gone
     assert.throws(() => process.kill(pid, 0));
+  }
+});
+
+test('--max-sandboxes is enforced with a clear error; room comes back after a kill', async () => {
+  const srv = await serve({ maxSandboxes: 2 });
+  const opts = { url: srv.url };
+  try {
+    const [a] = await Sandbox.fork('default', 2, opts);
+    try {
+      await Sandbox.create(opts);
+      assert.unreachable('a third sandbox was started');
+    } catch (e) {
+      assert.instance(e, LimitError);
+      assert.is((e as LimitError).code, 'unavailable');
+      assert.match((e as Error).message, '--max-sandboxes');
+    }
+    await a?.kill();
+    const c = await Sandbox.create(opts);
+    assert.is((await c.eval('1')).value, 1);
+  } finally {
+    Sandbox.disconnectAll();
+    assert.is(await srv.stop(), 0);
   }
 });
 
