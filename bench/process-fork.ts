@@ -5,6 +5,7 @@
 // per child = Private_* of smaps_rollup of its processes while alive, after
 // that first answer. Builds the image `numpy` (default + python3-numpy) once.
 //   npx tsx bench/process-fork.ts [--image NAME] [--no-cold]
+import { readdirSync, readFileSync } from 'node:fs';
 import { buildImage, imageExists, loadImage } from '../host/images.ts';
 import type { Sandbox } from '../host/engine/engine.ts';
 import { ProcessEngine } from '../host/engine/process/engine.ts';
@@ -25,6 +26,19 @@ const rootfs = loadImage(IMAGE).rootfs;
 const engine = new ProcessEngine({ rootfsOf: async () => rootfs });
 const TEMPLATE = `bench-fork-${process.pid}`;
 
+/** CPU time of a process's live threads, in ms (schedstat: nanosecond run time). */
+function cpuMs(pid: number): number {
+  let ns = 0;
+  try {
+    for (const t of readdirSync(`/proc/${pid}/task`)) {
+      try {
+        ns += Number(readFileSync(`/proc/${pid}/task/${t}/schedstat`, 'utf8').split(' ')[0]);
+      } catch {}
+    }
+  } catch {}
+  return ns / 1e6;
+}
+
 const median = (xs: number[]) => {
   const s = [...xs].sort((a, b) => a - b);
   return s[Math.floor(s.length / 2)] ?? Number.NaN;
@@ -43,6 +57,7 @@ async function firstAnswers(kids: Sandbox[], t0: number): Promise<number> {
 interface Row {
   n: number;
   forkMs: number;
+  split: string;
   forkPrivKiB: number;
   forkPrivMaxKiB: number;
   coldMs?: number;
@@ -58,13 +73,23 @@ try {
   await Promise.all(warm.map((k) => k.kill()));
 
   const rows: Row[] = [];
+  const zpid = engine.zygotePid(TEMPLATE)!;
   for (const n of NS) {
+    const z0 = cpuMs(zpid);
+    const h0 = process.cpuUsage();
     const t0 = performance.now();
     const kids = await engine.fork(TEMPLATE, n);
     const forkMs = await firstAnswers(kids, t0);
+    const hu = process.cpuUsage(h0);
+    const hostCpu = (hu.user + hu.system) / 1000;
+    const zygoteCpu = cpuMs(zpid) - z0;
+    const childCpu = kids.reduce((a, k) => a + cpuMs((k as unknown as { hostPid: number }).hostPid), 0);
+    const cpu = `CPU per child: in the child ${(childCpu / n).toFixed(2)}, zygote ${(zygoteCpu / n).toFixed(2)}, host process ${(hostCpu / n).toFixed(2)} (ms; kernel work done for a child counts in it)`;
+    const ls = engine.lastSpawn!;
+    const split = `cgroups ${ls.cgroupsMs.toFixed(1)}, zygote reply ${ls.replyMs.toFixed(1)}, restored ${ls.readyMs.toFixed(1)}, child set-up median ${ls.childSetupMsMedian.toFixed(1)}`;
     const priv = await Promise.all(kids.map(async (k) => (await k.stats()).privateKiB));
     await Promise.all(kids.map((k) => k.kill()));
-    rows.push({ n, forkMs, forkPrivKiB: median(priv), forkPrivMaxKiB: Math.max(...priv) });
+    rows.push({ n, forkMs, split: `${split}\n      | ${cpu}`, forkPrivKiB: median(priv), forkPrivMaxKiB: Math.max(...priv) });
   }
   if (COLD) {
     for (const row of rows) {
@@ -90,6 +115,9 @@ try {
         `${r.coldMs === undefined ? '-' : `${(r.coldMs / r.forkMs).toFixed(1)}x`}`,
     );
   }
+  console.log('\nwhere the fork time went (ms from the fork call):');
+  for (const r of rows) console.log(`${String(r.n).padStart(5)} | ${r.split}`);
+  console.log(`\nload average while measuring: ${(await import('node:os')).loadavg().map((x) => x.toFixed(2)).join(' ')} on ${(await import('node:os')).cpus().length} cores`);
   console.log('\ngoals: 100 children ready within 150 ms; under 512 KiB private per idle child; at least 50x faster than cold with numpy');
 } finally {
   await engine.close();

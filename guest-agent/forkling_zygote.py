@@ -148,8 +148,59 @@ def _freeze_base():
           'lowerdir=%s/upper:%s/image,userxattr' % (LAYERS, LAYERS))
     STATE['base_fd'] = os.open(BASE, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     STATE['pidns_fd'] = os.open('/proc/self/ns/pid', os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        _rehearse(_agent_mod.AGENT)
+    except Exception as e:  # an optimisation only
+        _agent_mod.log('zygote rehearsal failed: %r' % e)
     gc.collect()
     gc.freeze()
+
+
+def _rehearse(agent, rounds=24):
+    """Runs what every child will run first (hello, restore, eval, ping over a
+    connection) in the zygote before it is frozen: lazy imports, caches and
+    the interpreter's specialised bytecode are then filled in once, here,
+    instead of being written (and copied page by page) in every child."""
+    import socket
+    import struct
+
+    import msgpack
+    if agent is None:
+        return
+    a, b = socket.socketpair()
+    conn = _agent_mod.Connection(agent, a, 'zygote-rehearsal')
+    agent.connections.add(conn)
+    _agent_mod.run_thread(conn.run, name='rehearsal')
+    buf = bytearray()
+
+    def call(i, op, **args):
+        frame = dict(args, t='req', id=i, op=op)
+        payload = msgpack.packb(frame, use_bin_type=True)
+        b.sendall(struct.pack('>I', len(payload)) + payload)
+        while True:
+            while len(buf) < 4 or len(buf) < 4 + struct.unpack('>I', buf[:4])[0]:
+                chunk = b.recv(65536)
+                if not chunk:
+                    raise OSError('rehearsal connection closed')
+                buf.extend(chunk)
+            n = struct.unpack('>I', buf[:4])[0]
+            f = msgpack.unpackb(bytes(buf[4:4 + n]), raw=False)
+            del buf[:4 + n]
+            if f.get('id') == i and f.get('t') in ('res', 'err'):
+                return f
+
+    try:
+        b.settimeout(10)
+        i = 0
+        for _ in range(rounds):
+            for op, args in (('hello', {'versions': [1]}), ('restore', {'entropy': os.urandom(64)}),
+                             ('eval', {'code': '1 + 1', 'context': 'forkling-rehearsal'}), ('ping', {})):
+                i += 1
+                call(i, op, **args)
+        agent.contexts.pop('forkling-rehearsal', None)
+    finally:
+        b.close()
+        conn.close()
 
 
 # ------------------------------------------------------------------ fork

@@ -90,6 +90,11 @@ function childrenByNsPid(pid: number): Map<number, number> {
   return out;
 }
 
+function median(xs: number[]): number {
+  const s = xs.filter((x) => !Number.isNaN(x)).sort((a, b) => a - b);
+  return s[Math.floor(s.length / 2)] ?? Number.NaN;
+}
+
 function privateKiB(pid: number): number {
   try {
     const s = readFileSync(`/proc/${pid}/smaps_rollup`, 'utf8');
@@ -462,7 +467,9 @@ export class ProcessEngine implements Engine {
     const made: ProcessSandbox[] = [];
     try {
       for (const id of ids) cgroups.set(id, this.cgroups.create(id, limits));
+      const cgroupsAt = performance.now();
       const res = await reply;
+      const replyAt = performance.now();
       const byNs = childrenByNsPid(parentPid);
       const failed = res.children.filter((c) => !c.ok);
       const results = await Promise.allSettled(
@@ -494,6 +501,13 @@ export class ProcessEngine implements Engine {
             return sb;
           }),
       );
+      this.lastSpawn = {
+        n,
+        cgroupsMs: cgroupsAt - startedAt,
+        replyMs: replyAt - startedAt,
+        readyMs: performance.now() - startedAt,
+        childSetupMsMedian: median(res.children.map((c) => c.setupMs ?? Number.NaN)),
+      };
       const errors = [...failed.map((c) => `${c.id}: ${c.error ?? 'failed'}`), ...results.filter((r) => r.status === 'rejected').map((r) => String((r as PromiseRejectedResult).reason?.message ?? r))];
       if (errors.length) throw new UserError(`${op}: ${errors.length} of ${n} children failed: ${errors.slice(0, 3).join('; ')}`);
       return ids.map((id) => made.find((s) => s.id === id)!);
@@ -504,6 +518,9 @@ export class ProcessEngine implements Engine {
       throw e;
     }
   }
+
+  /** Where the time of the last fork or branch went (benchmarks): cgroups made, parent's reply (every child listening), all restored. */
+  lastSpawn: { n: number; cgroupsMs: number; replyMs: number; readyMs: number; childSetupMsMedian: number } | null = null;
 
   forget(sb: ProcessSandbox): void {
     this.sandboxes.delete(sb);
