@@ -97,7 +97,8 @@ test('files written in one child are absent in its siblings', async () => {
 
 test('BRANCH to depth 3: each level sees every variable above it; sources keep running', async () => {
   const [root] = await engine.fork(TEMPLATE, 1);
-  await val(root!.agent, 'L0 = "zero"; open("/tmp/l0", "w").write("0"); 1');
+  // a file of the image deleted in the source (an overlay whiteout) stays deleted in its branches
+  await val(root!.agent, 'L0 = "zero"; open("/tmp/l0", "w").write("0"); os.remove("/etc/debian_version"); 1');
   const [b1] = await engine.branch(root!, 1);
   await val(b1!.agent, 'L1 = "one"; open("/tmp/l1", "w").write("1"); 1');
   const [b2] = await engine.branch(b1!, 1);
@@ -110,7 +111,7 @@ test('BRANCH to depth 3: each level sees every variable above it; sources keep r
     'two',
     ['l0', 'l1'],
   ]);
-  assert.equal(await val(b3!.agent, '(os.getpid(), socket.gethostname())'), [1, b3!.id]);
+  assert.equal(await val(b3!.agent, '(os.getpid(), socket.gethostname(), os.path.exists("/etc/debian_version"))'), [1, b3!.id, false]);
   // the sources go on, unchanged by their branches
   await val(b3!.agent, 'L0 = "changed in b3"; open("/tmp/l0", "w").write("b3"); 1');
   assert.equal(await val(root!.agent, '(L0, open("/tmp/l0").read(), "L1" in dir())'), ['zero', '0', false]);
@@ -228,6 +229,51 @@ test('a fork bomb and a memory hog in one sandbox leave the others and the host 
   await Promise.all([bomb, hog, calm, fresh].map((k) => k!.kill()));
   await bombRun;
   assert.ok(memAvailableKiB() > 256 * 1024, 'the host has memory left');
+});
+
+test('pause freezes a sandbox and resume thaws it; stats while alive', async () => {
+  const [c] = await engine.fork(TEMPLATE, 1);
+  await c!.pause();
+  let answered = false;
+  const pending = val(c!.agent, '"awake"').then((v) => {
+    answered = true;
+    return v;
+  });
+  await new Promise((r) => setTimeout(r, 300));
+  assert.not.ok(answered, 'a paused sandbox does not answer');
+  await c!.resume();
+  assert.is(await pending, 'awake');
+  const st = await c!.stats();
+  assert.ok(st.privateKiB > 0 && st.counters.processes! >= 1);
+  await c!.kill();
+});
+
+test('a cold boot from the image gives a sandbox of its own (no zygote)', async () => {
+  const s = await engine.boot({ image: 'default' });
+  assert.equal(await val(s.agent, 'import os, socket\n(os.getpid(), socket.gethostname(), "WARM" in dir())'), [1, s.id, false]);
+  const [b] = await engine.branch(s, 1);
+  await val(s.agent, 'X = 1');
+  assert.equal(await val(b!.agent, '(os.getpid(), "X" in dir())'), [1, false]);
+  await Promise.all([b!.kill(), s.kill()]);
+});
+
+test('a template outlives its engine: another engine forks it from its saved definition', async () => {
+  const other = new ProcessEngine({ warn: () => {} });
+  try {
+    const [c] = await other.fork(TEMPLATE, 1);
+    assert.is(await val(c!.agent, 'WARM["answer"]'), 42);
+  } finally {
+    await other.close();
+  }
+  const missing = new ProcessEngine({ warn: () => {} });
+  try {
+    await missing.fork('no-such-template', 1);
+    assert.unreachable('should throw');
+  } catch (e) {
+    assert.match((e as Error).message, 'does not exist');
+  } finally {
+    await missing.close();
+  }
 });
 
 test('works unprivileged too (uid 65534, user namespaces)', async () => {
