@@ -237,6 +237,8 @@ def _spawn(agent, children, branch):
         if pid != 0:
             setns(STATE['pidns_fd'], CLONE_NEWPID)
         else:
+            for _, _, other_r, _ in pending:  # earlier siblings' ready pipes are not ours to read
+                os.close(other_r)
             _child_main(agent, ch, sockdir, r, w, branch)  # never returns
         os.close(w)
         pending.append((ch, pid, r, t0))

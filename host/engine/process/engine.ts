@@ -483,11 +483,16 @@ export class ProcessEngine implements Engine {
             const runDir = join(parentRunDir, sub, c.id);
             const link = join(this.dir, 'l', c.id);
             symlinkSync(runDir, link);
-            let agent: AgentClient;
+            let agent: AgentClient | undefined;
             try {
-              agent = await connectUnix(join(link, SOCKET));
+              // The socket's directory belongs to the parent sandbox (for a branch): check that the
+              // agent that answers is the child we asked for, not whatever a symlink there points at.
+              agent = await connectUnix(join(link, SOCKET), { hello: false });
+              const hello = await agent.hello();
+              if (hello.sandboxId !== c.id) throw new Error(`child ${c.id}: the agent on its socket says it is ${JSON.stringify(hello.sandboxId)}`);
               await agent.restore({ entropy: randomBytes(64), hostname: c.id, sandboxId: c.id });
             } catch (e) {
+              agent?.close();
               try {
                 process.kill(hostPid, 'SIGKILL');
               } catch {}
