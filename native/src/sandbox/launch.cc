@@ -246,6 +246,7 @@ void BindReadOnly(const char* src, const char* dst, int step) {
 // with it. Raw system calls only, on prepared data.
 [[noreturn]] void KeeperMain(const Prepared& p, int syncR, int errW, int stdoutFd) {
   prctl(PR_SET_PDEATHSIG, SIGKILL);  // dies with the JS thread that launched it
+  prctl(PR_SET_NAME, "forkling-keeper", 0, 0, 0);
   // Fixed fd numbers: the status pipe at 3 (CLOEXEC), the console at 4; nothing else of Node's.
   int e = fcntl(errW, F_DUPFD_CLOEXEC, 100);
   int o = p.haveStdout ? fcntl(stdoutFd, F_DUPFD_CLOEXEC, 100) : -1;
