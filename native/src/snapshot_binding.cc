@@ -178,6 +178,12 @@ Napi::Value VmBranch(const Napi::CallbackInfo& info, vmm::Vm& vm) {
     Napi::Object o = Napi::Object::New(env);
     o.Set("snapshot", WrapSpec(env, b.spec));
     o.Set("pauseUs", Napi::Number::New(env, double(b.pause_ns) / 1000.0));
+    Napi::Object parts = Napi::Object::New(env);
+    parts.Set("stopUs", Napi::Number::New(env, double(b.stop_ns) / 1000.0));
+    parts.Set("saveUs", Napi::Number::New(env, double(b.save_ns) / 1000.0));
+    parts.Set("scanUs", Napi::Number::New(env, double(b.scan_ns) / 1000.0));
+    parts.Set("copyUs", Napi::Number::New(env, double(b.copy_ns) / 1000.0));
+    o.Set("pauseParts", parts);
     o.Set("privatePages", Napi::Number::New(env, double(b.private_pages)));
     o.Set("diffPages", Napi::Number::New(env, double(b.diff_pages)));
     o.Set("runs", Napi::Number::New(env, double(b.runs)));

@@ -35,6 +35,8 @@ export interface NativeBranch {
   snapshot: NativeSnapshot;
   /** How long the source's vCPUs were stopped. */
   pauseUs: number;
+  /** Where the pause went: stopping the vCPUs, saving state, finding written pages, copying them. */
+  pauseParts: { stopUs: number; saveUs: number; scanUs: number; copyUs: number };
   /** Pages the source had written since it was restored. */
   privatePages: number;
   /** Pages in the new diff layer (private pages plus filled gaps). */

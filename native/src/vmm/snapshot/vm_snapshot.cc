@@ -245,16 +245,28 @@ BranchResult Branch(Vm& vm, const std::string& dir) {
   int fd = CreateTempDiffFile(dir);
   std::vector<Section> state;
   try {
-    auto t0 = std::chrono::steady_clock::now();
+    using Clock = std::chrono::steady_clock;
+    auto ns = [](Clock::time_point a, Clock::time_point b) {
+      return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count());
+    };
+    auto t0 = Clock::now();
     vm.Pause();
     try {
+      auto t1 = Clock::now();
       state = vm.SaveState();
+      auto t2 = Clock::now();
       const GuestRam& ram = vm.ram();
       std::vector<uint64_t> pages = PrivatePages(ram.host(), ram.size());
       r.private_pages = pages.size();
       std::vector<uint64_t> filled = FillGaps(pages, kDiffRunBudget);
       r.diff_pages = filled.size();
+      auto t3 = Clock::now();
       WriteDiff(fd, ram.host(), ram.size(), filled, false);
+      auto t4 = Clock::now();
+      r.stop_ns = ns(t0, t1);
+      r.save_ns = ns(t1, t2);
+      r.scan_ns = ns(t2, t3);
+      r.copy_ns = ns(t3, t4);
     } catch (...) {
       vm.Resume();
       throw;

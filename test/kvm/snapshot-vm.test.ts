@@ -1,0 +1,201 @@
+// Snapshots of whole VMs with a tiny guest (test/kvm/tiny-guest.ts), so the
+// VMM side is tested without booting Linux: a template continues in its
+// children (memory and registers restored), children are independent
+// copy-on-write mappings of the memory file, corrupt templates are refused,
+// branches of branches to depth 9 continue their source, and killed children
+// leave no mapping behind.
+import { mkdtempSync, readFileSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { test } from 'uvu';
+import * as assert from 'uvu/assert';
+import type { NativeSnapshot, NativeVm, NativeVmEvent } from '../../host/engine/kvm/native-vm.ts';
+import { nativeVmClass } from '../../host/engine/kvm/native-vm.ts';
+import { snapshotNative } from '../../host/engine/kvm/snapshot-native.ts';
+import { COUNTER_STEP, counterOf, writeTinyGuest } from './tiny-guest.ts';
+
+const dir = mkdtempSync(join(tmpdir(), 'forkling-snapvm-'));
+const kernel = writeTinyGuest(join(dir, 'tiny.elf'));
+const s = snapshotNative();
+const Vm = nativeVmClass();
+const TIMEOUT_MS = 120_000;
+let sockN = 0;
+
+/** A VM and the counters its guest printed. */
+class Tiny {
+  readonly vm: NativeVm;
+  readonly counters: bigint[] = [];
+  readonly events: NativeVmEvent[] = [];
+  private waiters: (() => void)[] = [];
+  readonly createMs: number;
+  readonly t0 = performance.now();
+  firstCounterMs = -1;
+
+  constructor(opts: { restore?: NativeSnapshot }) {
+    this.vm = new Vm(
+      { kernel, cmdline: '', memoryMiB: 64, vcpus: 1, vsockPath: join(dir, `v${sockN++}.sock`), ...(opts.restore ? { restore: opts.restore } : {}) },
+      (evs) => {
+        for (const e of evs) {
+          this.events.push(e);
+          if (e.type === 'console') {
+            for (const l of e.lines) {
+              const c = counterOf(l);
+              if (c !== null) {
+                if (this.firstCounterMs < 0) this.firstCounterMs = performance.now() - this.t0;
+                this.counters.push(c);
+              }
+            }
+          }
+        }
+        for (const w of this.waiters.splice(0)) w();
+      },
+    );
+    this.createMs = performance.now() - this.t0;
+    this.vm.start();
+  }
+
+  /** Resolves once `n` more counter lines than now have been printed. */
+  async more(n: number): Promise<bigint> {
+    const want = this.counters.length + n;
+    const deadline = performance.now() + TIMEOUT_MS;
+    while (this.counters.length < want) {
+      const stopped = this.events.find((e) => e.type === 'stopped');
+      if (stopped) throw new Error(`the VM stopped: ${JSON.stringify(stopped)}`);
+      if (performance.now() > deadline) throw new Error('no counter line in time');
+      await new Promise<void>((r) => {
+        this.waiters.push(r);
+        setTimeout(r, 1000).unref();
+      });
+    }
+    return this.counters[this.counters.length - 1]!;
+  }
+}
+
+function mappingsOf(path: string): number {
+  return readFileSync('/proc/self/maps', 'utf8').split('\n').filter((l) => l.endsWith(path)).length;
+}
+
+function throwsCorrupt(fn: () => unknown, match: RegExp): void {
+  try {
+    fn();
+  } catch (e) {
+    assert.is((e as { code?: string }).code, 'ECORRUPT', String(e));
+    assert.match((e as Error).message, match);
+    return;
+  }
+  assert.unreachable('expected the template to be refused');
+}
+
+const tpl = join(dir, 'tpl');
+let templateLast = 0n;
+
+test('template: a running VM is saved (state file, sparse memory file)', async () => {
+  const t = new Tiny({});
+  templateLast = await t.more(2);
+  t.vm.pause();
+  templateLast = t.counters[t.counters.length - 1]!;
+  rmSync(tpl, { recursive: true, force: true });
+  const { mkdirSync } = await import('node:fs');
+  mkdirSync(tpl);
+  const w = t.vm.saveTemplate(tpl);
+  t.vm.kill();
+  assert.is(w.memory.size, 64 << 20);
+  // 1 MiB of pattern + code + page tables and boot data: a few hundred pages, the rest holes.
+  assert.ok(w.memory.dataPages >= 256 && w.memory.dataPages < 400, `${w.memory.dataPages} data pages`);
+  assert.ok(w.stateBytes > 4096 && w.stateBytes < 1 << 20);
+});
+
+test('fork: a child continues the template (memory and registers restored)', async () => {
+  const spec = s.loadTemplate(tpl, 'template tiny');
+  assert.is(spec.memoryMiB, 64);
+  assert.is(spec.depth, 0);
+  const c = new Tiny({ restore: spec });
+  const first = await c.more(1);
+  assert.ok(first > templateLast, `child counter ${first} continues after the template's ${templateLast}`);
+  assert.is((first - templateLast) % COUNTER_STEP, 0n);
+  const second = await c.more(1);
+  assert.is(second - first, COUNTER_STEP);
+  c.vm.kill();
+});
+
+test('fork: 10 children in parallel, each its own copy-on-write memory', async () => {
+  const spec = s.loadTemplate(tpl, 'template tiny');
+  const t0 = performance.now();
+  const kids = Array.from({ length: 10 }, () => new Tiny({ restore: spec }));
+  const created = performance.now() - t0;
+  await Promise.all(kids.map((k) => k.more(1)));
+  for (const k of kids) assert.ok(k.counters[0]! > templateLast);
+  const usage = kids.map((k) => k.vm.memoryUsage());
+  for (const u of usage) {
+    // the counter page (and what the guest's CPU state touches): a few pages, not the template's 1 MiB
+    assert.ok(u.guestPrivateBytes >= 4096 && u.guestPrivateBytes <= 64 * 1024, `private ${u.guestPrivateBytes}`);
+    assert.ok(u.guestSharedBytes >= 4096, 'reads are served from the shared page cache');
+  }
+  console.log(`    10 children created in ${created.toFixed(1)} ms (${(created / 10).toFixed(2)} ms each); private memory per child ${usage.map((u) => u.guestPrivateBytes / 1024).join('/')} KiB`);
+  for (const k of kids) k.vm.kill();
+});
+
+test('a corrupt or truncated template is refused, never restored', () => {
+  const state = readFileSync(join(tpl, 'state.bin'));
+  const memory = readFileSync(join(tpl, 'memory.bin'));
+  try {
+    const bad = Buffer.from(state);
+    bad[200]! ^= 0x40;
+    writeFileSync(join(tpl, 'state.bin'), bad);
+    throwsCorrupt(() => s.loadTemplate(tpl, 'template tiny'), /^template tiny is corrupt: state file/);
+    writeFileSync(join(tpl, 'state.bin'), state.subarray(0, state.length - 100));
+    throwsCorrupt(() => s.loadTemplate(tpl, 'template tiny'), /^template tiny is corrupt: state file is truncated/);
+    writeFileSync(join(tpl, 'state.bin'), state);
+    const m = Buffer.from(memory);
+    m[0x300000 + 12]! ^= 1; // in the guest's data
+    writeFileSync(join(tpl, 'memory.bin'), m);
+    throwsCorrupt(() => s.loadTemplate(tpl, 'template tiny'), /^template tiny is corrupt: memory file .* fails its checksum/);
+    writeFileSync(join(tpl, 'memory.bin'), memory);
+    truncateSync(join(tpl, 'memory.bin'), 32 << 20);
+    throwsCorrupt(() => s.loadTemplate(tpl, 'template tiny'), /truncated/);
+    rmSync(join(tpl, 'memory.bin'));
+    throwsCorrupt(() => s.loadTemplate(tpl, 'template tiny'), /memory file .* is missing/);
+  } finally {
+    writeFileSync(join(tpl, 'state.bin'), state);
+    writeFileSync(join(tpl, 'memory.bin'), memory);
+  }
+  assert.is(s.loadTemplate(tpl, 'template tiny').vcpus, 1);
+});
+
+test('branch: chains to depth 9 continue their source; the source goes on; pause reported', async () => {
+  let source = new Tiny({ restore: s.loadTemplate(tpl, 'template tiny') });
+  await source.more(1);
+  const all: Tiny[] = [source];
+  const pauses: number[] = [];
+  for (let depth = 1; depth <= 9; depth++) {
+    const before = await source.more(1);
+    const b = source.vm.branch(dir);
+    pauses.push(b.pauseUs);
+    assert.is(b.depth, depth);
+    assert.is(b.snapshot.depth, depth);
+    assert.ok(b.privatePages >= 1, 'the counter page was written since the source was restored');
+    const child = new Tiny({ restore: b.snapshot });
+    all.push(child);
+    const first = await child.more(1);
+    assert.ok(first > before, `depth ${depth}: child ${first} continues after its source's ${before}`);
+    // The source goes on after the branch.
+    const after = await source.more(1);
+    assert.ok(after > before);
+    source = child;
+  }
+  console.log(`    branch pauses (µs): ${pauses.map((p) => p.toFixed(0)).join(' ')}`);
+  for (const t of all) t.vm.kill();
+});
+
+test('killing children frees their memory: no mapping of the memory file is left', async () => {
+  const memPath = join(tpl, 'memory.bin');
+  const spec = s.loadTemplate(tpl, 'template tiny');
+  const kids = Array.from({ length: 3 }, () => new Tiny({ restore: spec }));
+  await Promise.all(kids.map((k) => k.more(1)));
+  assert.ok(mappingsOf(memPath) >= 3, `${mappingsOf(memPath)} mappings while alive`);
+  for (const k of kids) k.vm.kill();
+  assert.is(mappingsOf(memPath), 0);
+});
+
+test.after(() => rmSync(dir, { recursive: true, force: true }));
+test.run();
