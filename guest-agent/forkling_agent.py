@@ -199,7 +199,7 @@ class Connection:
         self.closed = False
         try:  # a client that stops reading must not block the eval thread forever
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack('ll', SEND_TIMEOUT_S, 0))
-        except OSError:
+        except (OSError, TypeError):  # TypeError: CPython takes only int option values on AF_VSOCK sockets
             pass
 
     # -- sending
