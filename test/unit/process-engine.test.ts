@@ -276,6 +276,28 @@ test('a template outlives its engine: another engine forks it from its saved def
   }
 });
 
+test('spare forks: taken first, restored at hand-out (fresh randomness), refilled, killed at close', async () => {
+  const spareEngine = new ProcessEngine({ warn: () => {}, spares: 3 });
+  let pids: number[] = [];
+  try {
+    await spareEngine.fork(TEMPLATE, 1).then((k) => Promise.all(k.map((x) => x.kill()))); // starts the zygote
+    assert.is(await spareEngine.sparesReady(TEMPLATE), 3);
+    const kids = await spareEngine.fork(TEMPLATE, 5); // 3 spares + 2 fresh
+    assert.is(kids.length, 5);
+    const rs = (await Promise.all(kids.map((k) => val(k.agent, '(WARM["answer"], random.random(), socket.gethostname())')))) as [number, number, string][];
+    assert.equal(rs.map((r) => r[0]), [42, 42, 42, 42, 42]);
+    assert.is(new Set(rs.map((r) => r[1])).size, 5);
+    assert.equal(rs.map((r) => r[2]), kids.map((k) => k.id));
+    assert.is(await spareEngine.sparesReady(TEMPLATE), 3);
+    const spares = (spareEngine as unknown as { zygotes: Map<string, { spares: Sandbox[] }> }).zygotes.get(TEMPLATE)!.spares;
+    pids = [...kids, ...spares].map(hostPid);
+    assert.is(pids.filter(alive).length, 8);
+  } finally {
+    await spareEngine.close();
+  }
+  assert.equal(pids.filter(alive), []);
+});
+
 test('works unprivileged too (uid 65534, user namespaces)', async () => {
   const home = mkdtempSync('/tmp/forkling-unpriv-');
   chownSync(home, 65534, 65534);

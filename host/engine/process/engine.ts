@@ -37,6 +37,12 @@ export interface ProcessEngineOptions {
   pidsPerSandbox?: number;
   /** Resolves an image name to its unpacked root filesystem. Default: host/images.ts ensureImage(). */
   rootfsOf?: (image: string) => Promise<string>;
+  /**
+   * Forks to keep ready per template (set up, listening, not yet restored nor
+   * handed out): a fork takes these first and is refilled in the background.
+   * Each costs a child's memory while it waits. Default $FORKLING_PROCESS_SPARES or 0.
+   */
+  spares?: number;
 }
 
 /** A launched namespace root (zygote or cold-booted sandbox) and what the host holds for it. */
@@ -55,6 +61,9 @@ interface Zygote extends Root {
   client: AgentClient;
   limits: CgroupLimits;
   dead: boolean;
+  /** Forked, listening, not restored: handed out first by fork(). */
+  spares: ProcessSandbox[];
+  refilling: Promise<void> | null;
 }
 
 function pushLine(ring: string[], line: string) {
@@ -117,7 +126,8 @@ class ProcessSandbox implements Sandbox {
   constructor(
     readonly id: string,
     readonly agent: AgentClient,
-    readonly timings: { startedAt: number; readyAt: number },
+    /** Set again when a spare is handed out (its fork call is when it started, for the caller). */
+    public timings: { startedAt: number; readyAt: number },
     /** Host pid of the sandbox's PID 1 (its agent). */
     readonly hostPid: number,
     /** Host directory that is /run/forkling inside. */
@@ -198,6 +208,7 @@ export class ProcessEngine implements Engine {
   private readonly warn: (line: string) => void;
   private readonly rootfsOf: (image: string) => Promise<string>;
   private readonly pidsPerSandbox: number;
+  private readonly spareTarget: number;
   private closed = false;
   private readonly onExit = () => this.killAllNow();
 
@@ -205,6 +216,7 @@ export class ProcessEngine implements Engine {
     this.warn = opts.warn ?? ((l) => console.error(l));
     this.rootfsOf = opts.rootfsOf ?? (async (image) => (await ensureImage(image)).rootfs);
     this.pidsPerSandbox = opts.pidsPerSandbox ?? DEFAULT_PIDS;
+    this.spareTarget = Math.max(0, Math.min(1024, Math.floor(opts.spares ?? Number(process.env.FORKLING_PROCESS_SPARES ?? 0)) || 0));
     sandboxAddon(); // fail early when the addon lacks the launcher
     this.dir = makeEngineDir();
     mkdirSync(join(this.dir, 'l'));
@@ -372,9 +384,13 @@ export class ProcessEngine implements Engine {
     };
     const z = await this.startZygote(info);
     const old = this.zygotes.get(info.name);
-    if (old) this.retired.push(old); // its children live on; it goes at close()
+    if (old) {
+      this.retired.push(old); // its children live on; it goes at close()
+      for (const s of old.spares.splice(0)) void s.kill();
+    }
     this.zygotes.set(info.name, z);
     writeFileAtomic(templateFile(info.name), `${JSON.stringify(info, null, 2)}\n`);
+    this.refill(z);
     return info;
   }
 
@@ -389,7 +405,7 @@ export class ProcessEngine implements Engine {
       await this.destroyRoot(root);
       throw e;
     }
-    const z: Zygote = { ...root, info, client, limits, dead: false };
+    const z: Zygote = { ...root, info, client, limits, dead: false, spares: [], refilling: null };
     void client.closed.then(() => {
       z.dead = true;
       if (this.zygotes.get(info.name) === z) this.zygotes.delete(info.name);
@@ -425,6 +441,7 @@ export class ProcessEngine implements Engine {
         if (existing && !existing.dead) return existing;
         const z = await this.startZygote(info!);
         this.zygotes.set(template, z);
+        this.refill(z);
         return z;
       })().finally(() => this.creating.delete(template));
       this.creating.set(template, p);
@@ -435,8 +452,60 @@ export class ProcessEngine implements Engine {
   async fork(template: string, n: number): Promise<Sandbox[]> {
     this.checkOpen();
     if (!Number.isInteger(n) || n < 1 || n > 1024) throw new UserError(`cannot fork ${n} children`, 'n must be an integer from 1 to 1024');
+    const startedAt = performance.now();
     const z = await this.zygote(template);
-    return this.spawnChildren(z.client, z.pid, z.runDir, 's', n, z.limits, template);
+    const take = z.spares.splice(0, Math.min(n, z.spares.length));
+    const parts = await Promise.allSettled([
+      ...take.map((s) => this.activate(s, startedAt)),
+      n > take.length ? this.spawnChildren(z.client, z.pid, z.runDir, 's', n - take.length, z.limits, template, true, startedAt) : Promise.resolve([]),
+    ]);
+    this.refill(z);
+    const got: ProcessSandbox[] = [];
+    const errors: string[] = [];
+    for (const p of parts) {
+      if (p.status === 'rejected') errors.push((p.reason as Error).message);
+      else got.push(...(Array.isArray(p.value) ? p.value : [p.value]));
+    }
+    if (errors.length) {
+      await Promise.all(got.map((s) => s.kill()));
+      throw new UserError(`fork: ${errors.join('; ')}`);
+    }
+    return got;
+  }
+
+  /** Restores a spare and hands it out. */
+  private async activate(s: ProcessSandbox, startedAt: number): Promise<ProcessSandbox> {
+    try {
+      await s.agent.restore({ entropy: randomBytes(64), hostname: s.id, sandboxId: s.id });
+    } catch (e) {
+      await s.kill();
+      throw e;
+    }
+    s.timings = { startedAt, readyAt: performance.now() };
+    this.sandboxes.add(s);
+    return s;
+  }
+
+  /** Tops the template's spares up to the target, in the background (one batch at a time). */
+  private refill(z: Zygote): void {
+    const want = this.spareTarget - z.spares.length;
+    if (want <= 0 || z.refilling || z.dead || this.closed) return;
+    z.refilling = this.spawnChildren(z.client, z.pid, z.runDir, 's', want, z.limits, z.info.name, false)
+      .then((list) => {
+        if (z.dead || this.closed) return void Promise.all(list.map((s) => s.kill()));
+        z.spares.push(...list);
+      })
+      .catch((e: Error) => this.warn(`forkling: refilling the spare forks of ${z.info.name} failed: ${e.message}`))
+      .finally(() => {
+        z.refilling = null;
+      });
+  }
+
+  /** Resolves once the template's spare forks (if any are configured) are ready (benchmarks, tests). */
+  async sparesReady(template: string): Promise<number> {
+    const z = await this.zygote(template);
+    while (z.refilling) await z.refilling;
+    return z.spares.length;
   }
 
   async branch(source: Sandbox, n: number): Promise<Sandbox[]> {
@@ -457,8 +526,9 @@ export class ProcessEngine implements Engine {
     n: number,
     limits: CgroupLimits,
     template: string,
-  ): Promise<Sandbox[]> {
-    const startedAt = performance.now();
+    restore = true,
+    startedAt = performance.now(),
+  ): Promise<ProcessSandbox[]> {
     const ids = Array.from({ length: n }, newId);
     const op = sub === 's' ? 'fork' : 'branch';
     const reply = parent.request(op, { children: ids.map((id) => ({ id, hostname: id })) });
@@ -490,7 +560,7 @@ export class ProcessEngine implements Engine {
               agent = await connectUnix(join(link, SOCKET), { hello: false });
               const hello = await agent.hello();
               if (hello.sandboxId !== c.id) throw new Error(`child ${c.id}: the agent on its socket says it is ${JSON.stringify(hello.sandboxId)}`);
-              await agent.restore({ entropy: randomBytes(64), hostname: c.id, sandboxId: c.id });
+              if (restore) await agent.restore({ entropy: randomBytes(64), hostname: c.id, sandboxId: c.id });
             } catch (e) {
               agent?.close();
               try {
@@ -501,7 +571,7 @@ export class ProcessEngine implements Engine {
             }
             const sb = new ProcessSandbox(c.id, agent, { startedAt, readyAt: performance.now() }, hostPid, runDir, link, cg, this, template, limits);
             cgroups.delete(c.id);
-            this.sandboxes.add(sb);
+            if (restore) this.sandboxes.add(sb);
             made.push(sb);
             return sb;
           }),
@@ -529,6 +599,10 @@ export class ProcessEngine implements Engine {
 
   forget(sb: ProcessSandbox): void {
     this.sandboxes.delete(sb);
+    for (const z of [...this.zygotes.values(), ...this.retired]) {
+      const i = z.spares.indexOf(sb);
+      if (i >= 0) z.spares.splice(i, 1);
+    }
   }
 
   private checkOpen() {
@@ -548,8 +622,9 @@ export class ProcessEngine implements Engine {
   async close(): Promise<void> {
     if (this.closed) return;
     this.closed = true;
-    await Promise.all([...this.sandboxes].map((s) => s.kill()));
     const roots = [...this.zygotes.values(), ...this.retired];
+    for (const z of roots) await z.refilling;
+    await Promise.all([...this.sandboxes, ...roots.flatMap((z) => z.spares)].map((s) => s.kill()));
     this.zygotes.clear();
     for (const z of roots) z.client.close();
     await Promise.all([...roots, ...this.booted].map((r) => this.destroyRoot(r)));
