@@ -118,7 +118,7 @@ export async function runCommand(argv: string[]): Promise<number> {
           bootMs: Math.round(bootMs),
           result,
           exit,
-          memory: { guestResidentKiB: stats.privateKiB, hostRssBeforeKiB: rssBefore, hostRssAfterKiB: rssAfter },
+          memory: { sandboxPrivateKiB: stats.privateKiB, hostRssBeforeKiB: rssBefore, hostRssAfterKiB: rssAfter },
           counters: stats.counters,
         }),
       );
