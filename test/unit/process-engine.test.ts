@@ -46,7 +46,9 @@ test.before(async () => {
     name: TEMPLATE,
     image: 'default',
     memoryMiB: 256,
-    warmup: 'import os, random, uuid, socket\nWARM = {"answer": 42, "pid": os.getpid()}\nTEMPLATE_RANDOM = random.random()',
+    warmup:
+      'import os, random, uuid, socket\nWARM = {"answer": 42, "pid": os.getpid()}\nTEMPLATE_RANDOM = random.random()\n' +
+      'open("/tmp/warm-file", "w").write("from the warm-up")',
   });
 });
 
@@ -57,8 +59,8 @@ test.after(async () => {
 
 test('a child inherits the warm-up state and is PID 1 of its own namespaces', async () => {
   const [c] = await engine.fork(TEMPLATE, 1);
-  const v = (await val(c!.agent, '(WARM["answer"], os.getpid(), socket.gethostname(), os.environ.get("FORKLING_PROCESS_ROLE"))')) as unknown[];
-  assert.equal(v, [42, 1, c!.id, 'sandbox']);
+  const v = (await val(c!.agent, '(WARM["answer"], os.getpid(), socket.gethostname(), os.environ.get("FORKLING_PROCESS_ROLE"), open("/tmp/warm-file").read())')) as unknown[];
+  assert.equal(v, [42, 1, c!.id, 'sandbox', 'from the warm-up']);
   assert.ok(c!.timings.readyAt >= c!.timings.startedAt);
   await c!.kill();
 });

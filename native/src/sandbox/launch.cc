@@ -76,7 +76,7 @@ const char* const kSteps[] = {
     "bind a device node",               // 13
     "mount /dev/pts",                   // 14
     "mount /dev/shm",                   // 15
-    "bind the agent directory",         // 16
+    "bind the agent directory or /tmp", // 16
     "mount /sys",                       // 17
     "sethostname",                      // 18
     "bring up lo",                      // 19
@@ -95,7 +95,7 @@ struct Prepared {
   // paths outside (host view)
   std::string stage, image, agent, upper, work, root, rootfs, runDir, agentDir;
   // paths inside the new root, still prefixed with `root`
-  std::string run, runForkling, runAgent, layers, layersImage, layersUpper, proc, dev, pts, shm, sys;
+  std::string run, runForkling, runAgent, layers, layersImage, layersUpper, proc, dev, pts, shm, sys, tmp;
   std::vector<std::string> devHost, devTarget;
   std::vector<std::pair<std::string, std::string>> devLinks;  // target, linkpath
   std::string layerOpts, overlayOpts, hostname;
@@ -174,6 +174,9 @@ void BindReadOnly(const char* src, const char* dst, int step) {
     if (!MkdirP(d->c_str())) Fail(5, errno);
   }
   if (mount("overlay", p.root.c_str(), "overlay", MS_NOSUID | MS_NODEV, p.overlayOpts.c_str()) != 0) Fail(7, errno);
+  // /tmp bound onto itself: the agent (PID 1) sees it mounted and does not put a
+  // tmpfs there, so what the warm-up writes to /tmp stays in the layer children inherit.
+  if (!MkdirP(p.tmp.c_str()) || mount(p.tmp.c_str(), p.tmp.c_str(), nullptr, MS_BIND, nullptr) != 0) Fail(16, errno);
 
   const unsigned long quiet = MS_NOSUID | MS_NODEV;
   if (!MkdirP(p.run.c_str()) || mount("tmpfs", p.run.c_str(), "tmpfs", quiet | MS_NOEXEC, "mode=0755,size=16m") != 0) Fail(8, errno);
@@ -485,6 +488,7 @@ Napi::Value Launch(const Napi::CallbackInfo& info) {
   p.pts = p.dev + "/pts";
   p.shm = p.dev + "/shm";
   p.sys = p.root + "/sys";
+  p.tmp = p.root + "/tmp";
   for (const char* d : {"null", "zero", "full", "random", "urandom", "tty"}) {
     p.devHost.push_back(std::string("/dev/") + d);
     p.devTarget.push_back(p.dev + "/" + d);
