@@ -67,10 +67,7 @@ export async function openEngine(option?: string, opts: { log?: (line: string) =
     const { ProcessEngine } = await import('./process/engine.ts');
     return new ProcessEngine();
   }
-  // The kvm engine's module (host/engine/kvm/engine.ts) exports createKvmEngine() or KvmEngine.
-  const spec = './kvm/engine.ts';
-  const mod = (await import(spec)) as { createKvmEngine?: () => Promise<Engine> | Engine; KvmEngine?: new () => Engine };
-  if (mod.createKvmEngine) return mod.createKvmEngine();
-  if (mod.KvmEngine) return new mod.KvmEngine();
-  throw new Error('host/engine/kvm/engine.ts exports neither createKvmEngine nor KvmEngine');
+  // Loaded only when chosen: a process-engine host never loads the VMM code.
+  const { KvmEngine } = await import('./kvm/engine.ts');
+  return new KvmEngine();
 }

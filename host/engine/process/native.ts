@@ -1,5 +1,6 @@
 // The process engine's part of the native addon (native/src/sandbox/launch.cc), typed.
 import { createRequire } from 'node:module';
+import { UserError } from '../../errors.ts';
 import { ADDON_PATH } from '../../native.ts';
 
 export interface LaunchOptions {
@@ -54,7 +55,13 @@ export function sandboxAddon(): SandboxAddon {
   if (!addon) {
     const req = createRequire(import.meta.url);
     // FORKLING_ADDON: a private copy of the addon (a shared build directory is rebuilt from scratch by node-gyp).
-    const mod = req(process.env.FORKLING_ADDON || ADDON_PATH) as Partial<RawAddon>;
+    const path = process.env.FORKLING_ADDON || ADDON_PATH;
+    let mod: Partial<RawAddon>;
+    try {
+      mod = req(path) as Partial<RawAddon>;
+    } catch (e) {
+      throw new UserError(`cannot load the native addon ${path}: ${(e as Error).message.split('\n')[0]}`, 'build it: npm run build:native');
+    }
     if (typeof mod.sandboxLaunch !== 'function' || typeof mod.sandboxWatch !== 'function') {
       throw new Error(`the native addon at ${ADDON_PATH} has no sandboxLaunch/sandboxWatch: rebuild it with npm run build:native`);
     }
