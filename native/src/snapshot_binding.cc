@@ -184,6 +184,9 @@ Napi::Value VmBranch(const Napi::CallbackInfo& info, vmm::Vm& vm) {
     parts.Set("scanUs", Napi::Number::New(env, double(b.scan_ns) / 1000.0));
     parts.Set("copyUs", Napi::Number::New(env, double(b.copy_ns) / 1000.0));
     o.Set("pauseParts", parts);
+    o.Set("precopyUs", Napi::Number::New(env, double(b.precopy_ns) / 1000.0));
+    o.Set("precopyPages", Napi::Number::New(env, double(b.precopy_pages)));
+    o.Set("recopiedPages", Napi::Number::New(env, double(b.recopied_pages)));
     o.Set("privatePages", Napi::Number::New(env, double(b.private_pages)));
     o.Set("diffPages", Napi::Number::New(env, double(b.diff_pages)));
     o.Set("runs", Napi::Number::New(env, double(b.runs)));

@@ -6,23 +6,57 @@
 // the count proves both its memory and its registers came back.
 import { writeFileSync } from 'node:fs';
 
-// as --64 of the program in the comment above (intel syntax):
+// as --64 of (intel syntax):
 //   mov rbx,0x300000; mov rdi,rbx; mov rcx,0x20000; movabs rax,0x1122334455667788; rep stosq
 //   mov qword [rbx],0; mov dx,0x3f8; mov al,'R'; out dx,al; mov al,10; out dx,al
-// loop: inc qword [rbx]; mov rsi,[rbx]; test esi,0xffff; jnz loop
+// loop: inc qword [rbx]; mov rsi,[rbx]; test esi,MASK; jnz loop
 //   mov al,'T'; out dx,al; mov ecx,16
 // hex: rol rsi,4; mov eax,esi; and al,15; add al,'0'; cmp al,'9'; jbe 1f; add al,7
 // 1: out dx,al; dec ecx; jnz hex; mov al,10; out dx,al; jmp loop
-const CODE = Buffer.from(
-  '48c7c3000030004889df48c7c10000020048b88877665544332211f348ab48c7030000000066baf803b052eeb00aee48ff03488b33f7c6ffff000075f2b054eeb91000000048c1c60489f0240f04303c3976020407eeffc975ebb00aeeebd0',
-  'hex',
-);
+const COUNTER = '48c7c3000030004889df48c7c10000020048b88877665544332211f348ab48c7030000000066baf803b052eeb00aee48ff03488b33f7c6ffff000075f2b054eeb91000000048c1c60489f0240f04303c3976020407eeffc975ebb00aeeebd0';
+// The "dirty" variant: no 1 MiB fill; when the counter reaches AT it writes
+// one qword into each of 12800 pages from 4 MiB (50 MiB dirtied) and prints
+// "F", then counts on:
+//   ... loop: inc qword [rbx]; mov rsi,[rbx]; cmp rsi,AT; jne 2f
+//   mov rdi,0x400000; mov ecx,12800; 3: mov [rdi],rsi; add rdi,4096; dec ecx; jnz 3b
+//   mov al,'F'; out dx,al; mov al,10; out dx,al; 2: test esi,MASK; jnz loop ...
+const DIRTY = '48c7c30000300048c7030000000066baf803b052eeb00aee48ff03488b334881fe00000200752048c7c700004000b9003200004889374881c700100000ffc975f2b046eeb00aeef7c6ffff000075c9b054eeb91000000048c1c60489f0240f04303c3976020407eeffc975ebb00aeeeba7';
+const MASK_OPCODE = 'f7c6'; // test esi, imm32
+const CMP_OPCODE = '4881fe'; // cmp rsi, imm32
+
+export interface TinyGuestOptions {
+  /** A counter line every 2^printShift increments (default 16). */
+  printShift?: number;
+  /** Dirty 50 MiB (12800 pages from 4 MiB) once the counter reaches this value. */
+  dirtyAt?: number;
+}
+
+function patchImm32(hex: string, opcode: string, value: number): string {
+  const at = hex.indexOf(opcode);
+  if (at < 0 || at % 2) throw new Error('tiny guest: opcode not found');
+  const imm = Buffer.alloc(4);
+  imm.writeUInt32LE(value >>> 0);
+  const p = at + opcode.length;
+  return hex.slice(0, p) + imm.toString('hex') + hex.slice(p + 8);
+}
+
+function code(opts: TinyGuestOptions): Buffer {
+  const shift = opts.printShift ?? 16;
+  if (!Number.isInteger(shift) || shift < 1 || shift > 30) throw new Error('printShift must be 1..30');
+  let hex = opts.dirtyAt === undefined ? COUNTER : patchImm32(DIRTY, CMP_OPCODE, opts.dirtyAt);
+  hex = patchImm32(hex, MASK_OPCODE, 2 ** shift - 1);
+  return Buffer.from(hex, 'hex');
+}
+
 const LOAD_ADDR = 0x100000;
 /** Increments between two counter lines. */
 export const COUNTER_STEP = 1n << 16n;
+/** Guest memory the dirty variant needs (it writes up to 54 MiB). */
+export const DIRTY_MEMORY_MIB = 128;
 
 /** The ELF image: one PT_LOAD segment at 1 MiB, entry at its start. */
-export function tinyGuestElf(): Buffer {
+export function tinyGuestElf(opts: TinyGuestOptions = {}): Buffer {
+  const CODE = code(opts);
   const ehdr = Buffer.alloc(64);
   ehdr.write('\x7fELF', 0, 'latin1');
   ehdr[4] = 2; // 64-bit
@@ -49,8 +83,8 @@ export function tinyGuestElf(): Buffer {
   return Buffer.concat([ehdr, phdr, pad, CODE]);
 }
 
-export function writeTinyGuest(path: string): string {
-  writeFileSync(path, tinyGuestElf());
+export function writeTinyGuest(path: string, opts: TinyGuestOptions = {}): string {
+  writeFileSync(path, tinyGuestElf(opts));
   return path;
 }
 

@@ -37,6 +37,10 @@ export interface NativeBranch {
   pauseUs: number;
   /** Where the pause went: stopping the vCPUs, saving state, finding written pages, copying them. */
   pauseParts: { stopUs: number; saveUs: number; scanUs: number; copyUs: number };
+  /** Copy while the source ran (before the pause), and pages copied again in the pause. */
+  precopyUs: number;
+  precopyPages: number;
+  recopiedPages: number;
   /** Pages the source had written since it was restored. */
   privatePages: number;
   /** Pages in the new diff layer (private pages plus filled gaps). */

@@ -106,6 +106,13 @@ class Vm {
   // What this VM was restored from (null for a booted VM).
   std::shared_ptr<const RestoreSpec> origin() const { return origin_; }
   VirtioVsock* vsock() const { return vsock_.get(); }
+  // Branch pre-copy (vm_snapshot.cc): KVM dirty-page logging of guest RAM,
+  // the RAM pages (offsets from ram().host() / 4096) the guest wrote since
+  // the last call (clears the log), and the pages virtio-rng may write from
+  // a vCPU thread (its rings and posted buffers: KVM does not log those).
+  void SetDirtyLogging(bool on);
+  std::vector<uint64_t> TakeDirtyPages();
+  std::vector<uint64_t> RngWritablePages();
   bool stopped() const { return stopped_; }
 
  private:

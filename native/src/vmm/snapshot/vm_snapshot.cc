@@ -2,9 +2,11 @@
 #include "vmm/snapshot/vm_snapshot.h"
 
 #include <fcntl.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
@@ -201,6 +203,75 @@ void Vm::RestoreState(const RestoreSpec& spec) {
   }
 }
 
+void Vm::SetDirtyLogging(bool on) {
+  const GuestMemory& m = ram_.memory();
+  for (size_t i = 0; i < m.region_count(); i++) {
+    const GuestRegion& r = m.region(i);
+    kvm_userspace_memory_region reg;
+    std::memset(&reg, 0, sizeof reg);
+    reg.slot = uint32_t(i);  // as SetupMemory numbers them
+    reg.flags = on ? KVM_MEM_LOG_DIRTY_PAGES : 0;
+    reg.guest_phys_addr = r.gpa;
+    reg.memory_size = r.size;
+    reg.userspace_addr = reinterpret_cast<uint64_t>(r.host);
+    if (ioctl(vm_fd_, KVM_SET_USER_MEMORY_REGION, &reg) != 0)
+      throw std::system_error(errno, std::generic_category(), "KVM_SET_USER_MEMORY_REGION (dirty logging)");
+  }
+}
+
+std::vector<uint64_t> Vm::TakeDirtyPages() {
+  std::vector<uint64_t> out;
+  const GuestMemory& m = ram_.memory();
+  for (size_t i = 0; i < m.region_count(); i++) {
+    const GuestRegion& r = m.region(i);
+    const uint64_t pages = r.size / kPageSize;
+    std::vector<uint64_t> bitmap((pages + 63) / 64, 0);
+    kvm_dirty_log log;
+    std::memset(&log, 0, sizeof log);
+    log.slot = uint32_t(i);
+    log.dirty_bitmap = bitmap.data();
+    if (ioctl(vm_fd_, KVM_GET_DIRTY_LOG, &log) != 0)
+      throw std::system_error(errno, std::generic_category(), "KVM_GET_DIRTY_LOG");
+    const uint64_t first = uint64_t(r.host - ram_.host()) / kPageSize;
+    for (uint64_t w = 0; w < bitmap.size(); w++)
+      for (uint64_t bits = bitmap[w]; bits; bits &= bits - 1) out.push_back(first + w * 64 + uint64_t(__builtin_ctzll(bits)));
+  }
+  return out;
+}
+
+std::vector<uint64_t> Vm::RngWritablePages() {
+  std::vector<uint64_t> out;
+  const GuestMemory& m = ram_.memory();
+  auto add = [&](uint64_t gpa, uint64_t len) {
+    // Guest-controlled addresses: only ranges inside RAM, bounded.
+    len = std::min<uint64_t>(len, 64 * 1024);
+    if (len == 0) len = 1;
+    uint8_t* p = m.Ptr(gpa, len);
+    if (!p) return;
+    for (uint64_t a = uint64_t(p - ram_.host()) / kPageSize; a <= uint64_t(p + len - 1 - ram_.host()) / kPageSize; a++)
+      out.push_back(a);
+  };
+  for (const auto& pd : virtio_) {
+    auto* rng = dynamic_cast<VirtioRng*>(pd->device());
+    if (!rng) continue;
+    VirtioRng::State st = rng->SaveState();
+    if (!st.active || !st.queue.config.ready) continue;
+    const QueueConfig& q = st.queue.config;
+    const uint64_t n = std::min<uint64_t>(q.size, 1024);
+    add(q.desc, 16 * n);
+    add(q.driver, 6 + 2 * n);
+    add(q.device, 6 + 8 * n);
+    for (uint64_t i = 0; i < n; i++) {
+      uint64_t addr = 0;
+      uint32_t len = 0;
+      if (m.Read(q.desc + 16 * i, &addr) && m.Read(q.desc + 16 * i + 8, &len)) add(addr, len);
+    }
+  }
+  std::sort(out.begin(), out.end());
+  out.erase(std::unique(out.begin(), out.end()), out.end());
+  return out;
+}
+
 namespace snapshot {
 
 TemplateWritten WriteTemplate(Vm& vm, const std::string& dir) {
@@ -241,39 +312,72 @@ std::shared_ptr<RestoreSpec> LoadTemplate(const std::string& dir, const std::str
 BranchResult Branch(Vm& vm, const std::string& dir) {
   std::shared_ptr<const RestoreSpec> origin = vm.origin();
   if (!origin) throw std::runtime_error("only a sandbox restored from a template can be branched");
+  using Clock = std::chrono::steady_clock;
+  auto ns = [](Clock::time_point a, Clock::time_point b) {
+    return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count());
+  };
   BranchResult r;
+  const GuestRam& ram = vm.ram();
+  const uint64_t ram_pages = ram.size() / kPageSize;
   int fd = CreateTempDiffFile(dir);
   std::vector<Section> state;
+  VirtioVsock* vsock = vm.vsock();
+  bool logging = false;
   try {
-    using Clock = std::chrono::steady_clock;
-    auto ns = [](Clock::time_point a, Clock::time_point b) {
-      return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count());
-    };
+    // Pre-copy while the guest runs. The vsock loop (which writes guest RAM
+    // from its own thread, unseen by KVM's dirty log) is held still from
+    // here until its state is saved; virtio-rng, which writes from vCPU
+    // threads, gets its rings and buffers copied again in the pause.
+    auto p0 = Clock::now();
+    if (vsock) vsock->Pause();
+    vm.SetDirtyLogging(true);
+    logging = true;
+    vm.TakeDirtyPages();  // start from a clean log
+    std::vector<uint64_t> pages = FillGaps(PrivatePages(ram.host(), ram.size()), kDiffRunBudget);
+    DiffBuilder diff(fd, ram.size(), ram_pages);
+    diff.Add(ram.host(), pages);
+    auto p1 = Clock::now();
+    r.precopy_ns = ns(p0, p1);
+    r.precopy_pages = pages.size();
+
     auto t0 = Clock::now();
     vm.Pause();
     try {
       auto t1 = Clock::now();
-      state = vm.SaveState();
+      std::vector<uint64_t> again = vm.TakeDirtyPages();
+      std::vector<uint64_t> rng = vm.RngWritablePages();
+      again.insert(again.end(), rng.begin(), rng.end());
+      std::sort(again.begin(), again.end());
+      again.erase(std::unique(again.begin(), again.end()), again.end());
       auto t2 = Clock::now();
-      const GuestRam& ram = vm.ram();
-      std::vector<uint64_t> pages = PrivatePages(ram.host(), ram.size());
-      r.private_pages = pages.size();
-      std::vector<uint64_t> filled = FillGaps(pages, kDiffRunBudget);
-      r.diff_pages = filled.size();
+      diff.Add(ram.host(), again);
       auto t3 = Clock::now();
-      WriteDiff(fd, ram.host(), ram.size(), filled, false);
+      state = vm.SaveState();  // also lets the vsock loop go again
       auto t4 = Clock::now();
       r.stop_ns = ns(t0, t1);
-      r.save_ns = ns(t1, t2);
-      r.scan_ns = ns(t2, t3);
-      r.copy_ns = ns(t3, t4);
+      r.scan_ns = ns(t1, t2);
+      r.copy_ns = ns(t2, t3);
+      r.save_ns = ns(t3, t4);
+      r.recopied_pages = again.size();
     } catch (...) {
       vm.Resume();
       throw;
     }
     vm.Resume();
-    r.pause_ns = uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+    r.pause_ns = ns(t0, Clock::now());
+    vm.SetDirtyLogging(false);
+    logging = false;
+    diff.Finish(false);
+    r.diff_pages = diff.pages();
+    r.private_pages = CountPages(ram.host(), ram.size()).private_pages;
   } catch (...) {
+    if (logging) {
+      try {
+        vm.SetDirtyLogging(false);
+      } catch (...) {
+      }
+    }
+    if (vsock) vsock->Resume();
     close(fd);
     throw;
   }

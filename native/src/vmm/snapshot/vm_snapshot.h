@@ -6,10 +6,12 @@
 // (transport), VSCK, VRNG) and memory.bin (sparse memory file; MEMF records
 // its size, data pages and checksum).
 //
-// Branch: the source is paused, its state saved, and the pages its RAM
-// mapping owns privately (written since it was restored: pagemap) are copied
-// into a diff layer (an unlinked file in `dir`); then it resumes. Children
-// map the template's memory file, the source's layers and the new one.
+// Branch: the pages the source's RAM mapping owns privately (written since it
+// was restored: pagemap) are copied into a diff layer (an unlinked file in
+// `dir`) while it runs, with KVM dirty logging on; then it is paused, the
+// pages the guest wrote since (dirty log) and those virtio-rng may have
+// written are copied again, its state saved, and it resumes. Children map
+// the template's memory file, the source's layers and the new one.
 #pragma once
 #include <memory>
 #include <string>
@@ -42,6 +44,8 @@ struct BranchResult {
   // Where the pause went: stopping the vCPUs, saving state, finding the
   // written pages (pagemap), writing them to the diff.
   uint64_t stop_ns = 0, save_ns = 0, scan_ns = 0, copy_ns = 0;
+  // Pre-copy while the source ran: time and pages; pages copied again in the pause.
+  uint64_t precopy_ns = 0, precopy_pages = 0, recopied_pages = 0;
   uint64_t private_pages = 0;
   uint64_t diff_pages = 0;   // with gap filling
   uint64_t runs = 0;

@@ -1,0 +1,270 @@
+// Fork and BRANCH figures of the KVM engine, side by side with a cold boot of
+// the same guest, in one run on one template.
+//
+//   npx tsx bench/kvm-fork.ts [--guest tiny|linux] [--image default] [--print-shift 10]
+//
+// --guest tiny (default): the VMM alone, with test/kvm/tiny-guest.ts (an ELF
+//   that counts in guest memory and prints the count): "ready" is the first
+//   counter line after the restore, so it includes up to one print period of
+//   guest time (2^print-shift increments). Runs wherever /dev/kvm works.
+// --guest linux: the whole engine with a Linux image and its agent: ready is
+//   the agent's `restore` answer, plus the first eval answer.
+//
+// Memory per child is measured while the children are alive: the guest pages
+// each owns alone (pagemap of its RAM mapping), and the host's growth per
+// child: this process's anonymous memory (smaps_rollup: the children's
+// private guest pages, thread stacks, device buffers, heap) plus the
+// kernel's page tables for guests (SecPageTables) and slab (KVM's vCPU and
+// VM structures among others; system-wide, so other activity adds noise).
+import { mkdirSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { parseArgs } from 'node:util';
+import { quantile } from '../host/cli/fork.ts';
+import type { NativeSnapshot, NativeVm } from '../host/engine/kvm/native-vm.ts';
+import { nativeVmClass } from '../host/engine/kvm/native-vm.ts';
+import { snapshotNative } from '../host/engine/kvm/snapshot-native.ts';
+import { counterOf, DIRTY_MEMORY_MIB, writeTinyGuest } from '../test/kvm/tiny-guest.ts';
+
+const { values } = parseArgs({
+  options: { guest: { type: 'string', default: 'tiny' }, image: { type: 'string', default: 'default' }, 'print-shift': { type: 'string', default: '10' } },
+});
+const SIZES = [1, 10, 100];
+const f = (x: number, d = 1) => x.toFixed(d);
+
+function kib(field: string, text: string): number {
+  const m = new RegExp(`^${field}:\\s+(\\d+) kB`, 'm').exec(text);
+  return m ? Number(m[1]) : 0;
+}
+/** Private (anonymous) memory of this process and the kernel's guest page tables and slab (system-wide). */
+function hostMemory(): { anon: number; secPageTables: number; slab: number } {
+  const r = readFileSync('/proc/self/smaps_rollup', 'utf8');
+  const m = readFileSync('/proc/meminfo', 'utf8');
+  return { anon: kib('Anonymous', r), secPageTables: kib('SecPageTables', m), slab: kib('Slab', m) };
+}
+
+interface Row {
+  what: string;
+  readyMs: number;
+  p50: number;
+  p99: number;
+  createMs: number;
+  privKiB: number;
+  hostKiB: number;
+  note: string;
+}
+const rows: Row[] = [];
+function print(header: string): void {
+  console.log(`\n${header}`);
+  console.log('  (host: nested virtualisation; this machine\'s /dev/kvm is the kvm_pvm module: guests run under a software MMU, so figures are not those of bare-metal KVM)');
+  const head = ['case', 'all ready ms', 'child p50 ms', 'child p99 ms', 'create+restore ms/child', 'guest private KiB/child', 'host KiB/child', 'note'];
+  const table = [head, ...rows.map((r) => [r.what, f(r.readyMs), f(r.p50, 2), f(r.p99, 2), f(r.createMs, 2), f(r.privKiB), f(r.hostKiB), r.note])];
+  const w = head.map((_, i) => Math.max(...table.map((t) => t[i]!.length)));
+  for (const t of table) console.log(`  ${t.map((c, i) => c.padEnd(w[i]!)).join('  ')}`);
+}
+
+// ---------------------------------------------------------------- tiny guest
+
+const Vm = nativeVmClass();
+let sockN = 0;
+
+class TinyVm {
+  readonly vm: NativeVm;
+  readonly t0 = performance.now();
+  createMs: number;
+  readyAt = -1;
+  lines: string[] = [];
+  private waiters: (() => void)[] = [];
+  constructor(
+    readonly dir: string,
+    opts: { kernel?: string; memoryMiB?: number; restore?: NativeSnapshot; pauseOnReady?: boolean },
+  ) {
+    this.vm = new Vm(
+      { kernel: opts.kernel ?? '', cmdline: '', memoryMiB: opts.memoryMiB ?? 64, vcpus: 1, vsockPath: join(dir, `b${sockN++}.sock`), ...(opts.restore ? { restore: opts.restore } : {}) },
+      (evs) => {
+        for (const e of evs) {
+          if (e.type === 'console') {
+            for (const l of e.lines) {
+              if (this.readyAt < 0 && counterOf(l) !== null) {
+                this.readyAt = performance.now();
+                // An idle sandbox does not spin: stop this one (the tiny guest never
+                // halts) so it does not take the CPU from the children still starting.
+                if (opts.pauseOnReady) this.vm.pause();
+              }
+              if (this.lines.length < 64) this.lines.push(l);
+            }
+          } else if (e.type === 'stopped') throw new Error(`a VM stopped: ${e.reason}: ${e.message}`);
+        }
+        for (const w of this.waiters.splice(0)) w();
+      },
+    );
+    this.createMs = performance.now() - this.t0;
+    this.vm.start();
+  }
+  async until(pred: () => boolean): Promise<void> {
+    const deadline = performance.now() + 600_000;
+    while (!pred()) {
+      if (performance.now() > deadline) throw new Error('the guest did not get there in time');
+      await new Promise<void>((r) => {
+        this.waiters.push(r);
+        setTimeout(r, 200).unref();
+      });
+    }
+  }
+  ready(): Promise<void> {
+    return this.until(() => this.readyAt >= 0);
+  }
+}
+
+async function tiny(): Promise<void> {
+  const shift = Number(values['print-shift']);
+  const dir = mkdtempSync(join(tmpdir(), 'forkling-bench-'));
+  const s = snapshotNative();
+  try {
+    const counter = writeTinyGuest(join(dir, 'counter.elf'), { printShift: shift });
+    // Cold boot of the same guest: new VM, kernel loaded, first counter line.
+    const cold = new TinyVm(dir, { kernel: counter });
+    await cold.ready();
+    const coldMs = cold.readyAt - cold.t0;
+    rows.push({ what: 'cold boot', readyMs: coldMs, p50: coldMs, p99: coldMs, createMs: cold.createMs, privKiB: cold.vm.memoryUsage().guestMemfdBytes / 1024, hostKiB: NaN, note: 'memfd pages' });
+    cold.vm.pause();
+    const tpl = join(dir, 'tpl');
+    mkdirSync(tpl);
+    cold.vm.saveTemplate(tpl);
+    cold.vm.kill();
+    const spec = s.loadTemplate(tpl, 'template bench');
+
+    for (const n of SIZES) {
+      const before = hostMemory();
+      const t0 = performance.now();
+      const kids: TinyVm[] = [];
+      for (let i = 0; i < n; i++) kids.push(new TinyVm(dir, { restore: spec, pauseOnReady: true }));
+      await Promise.all(kids.map((k) => k.ready()));
+      const all = Math.max(...kids.map((k) => k.readyAt)) - t0;
+      const after = hostMemory();
+      const priv = kids.map((k) => k.vm.memoryUsage().guestPrivateBytes / 1024);
+      const ready = kids.map((k) => k.readyAt - k.t0);
+      const hostPer = (after.anon - before.anon + after.secPageTables - before.secPageTables + after.slab - before.slab) / n;
+      rows.push({
+        what: `fork N=${n}`,
+        readyMs: all,
+        p50: quantile(ready, 0.5),
+        p99: quantile(ready, 0.99),
+        createMs: kids.reduce((a, k) => a + k.createMs, 0) / n,
+        privKiB: priv.reduce((a, b) => a + b, 0) / n,
+        hostKiB: hostPer,
+        note: `SecPageTables +${f((after.secPageTables - before.secPageTables) / n)} KiB, slab +${f((after.slab - before.slab) / n)} KiB per child`,
+      });
+      for (const k of kids) k.vm.kill();
+    }
+
+    // BRANCH of a sandbox that dirtied 50 MiB after its restore.
+    const dirtyAt = 4 << shift; // after 4 counter lines
+    const dirty = writeTinyGuest(join(dir, 'dirty.elf'), { printShift: shift, dirtyAt });
+    const boot = new TinyVm(dir, { kernel: dirty, memoryMiB: DIRTY_MEMORY_MIB });
+    await boot.ready();
+    boot.vm.pause();
+    const dtpl = join(dir, 'dtpl');
+    mkdirSync(dtpl);
+    boot.vm.saveTemplate(dtpl);
+    boot.vm.kill();
+    const dspec = s.loadTemplate(dtpl, 'template bench-dirty');
+    for (const n of [1, 10]) {
+      const src = new TinyVm(dir, { restore: dspec, memoryMiB: DIRTY_MEMORY_MIB });
+      await src.until(() => src.lines.includes('F'));
+      const t0 = performance.now();
+      const b = src.vm.branch('/dev/shm');
+      const kids: TinyVm[] = [];
+      for (let i = 0; i < n; i++) kids.push(new TinyVm(dir, { restore: b.snapshot, memoryMiB: DIRTY_MEMORY_MIB, pauseOnReady: true }));
+      await Promise.all(kids.map((k) => k.ready()));
+      const all = Math.max(...kids.map((k) => k.readyAt)) - t0;
+      const ready = kids.map((k) => k.readyAt - k.t0);
+      const priv = kids.map((k) => k.vm.memoryUsage().guestPrivateBytes / 1024);
+      const p = b.pauseParts;
+      rows.push({
+        what: `branch N=${n}`,
+        readyMs: all,
+        p50: quantile(ready, 0.5),
+        p99: quantile(ready, 0.99),
+        createMs: kids.reduce((a, k) => a + k.createMs, 0) / n,
+        privKiB: priv.reduce((a, x) => a + x, 0) / n,
+        hostKiB: NaN,
+        note: `pre-copy ${f(b.precopyUs / 1000, 2)} ms (${b.precopyPages} pages) while running, then source paused ${f(b.pauseUs / 1000, 2)} ms (${b.recopiedPages} pages again; stop ${f(p.stopUs / 1000, 2)}, save ${f(p.saveUs / 1000, 2)}, scan ${f(p.scanUs / 1000, 2)}, copy ${f(p.copyUs / 1000, 2)}) for ${b.privatePages} written pages (${f((b.privatePages * 4) / 1024)} MiB) in ${b.runs} runs`,
+      });
+      for (const k of kids) k.vm.kill();
+      src.vm.kill();
+    }
+    print(`forkling KVM fork/branch, tiny guest (ready = first counter line, printed every 2^${shift} increments)`);
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
+  }
+}
+
+// ---------------------------------------------------------------- linux guest
+
+async function linux(): Promise<void> {
+  const { KvmEngine } = await import('../host/engine/kvm/engine.ts');
+  const engine = new KvmEngine();
+  const name = `bench-${process.pid}`;
+  try {
+    const t0 = performance.now();
+    const cold = await engine.boot({ image: values.image! });
+    await cold.agent.eval('1');
+    const coldMs = performance.now() - t0;
+    rows.push({ what: 'cold boot', readyMs: coldMs, p50: coldMs, p99: coldMs, createMs: NaN, privKiB: (await cold.stats()).privateKiB, hostKiB: NaN, note: 'boot to first eval answer' });
+    await cold.kill();
+    await engine.createTemplate({ name, image: values.image!, warmup: 'import json, random, uuid' });
+    for (const n of SIZES) {
+      const before = hostMemory();
+      const t = performance.now();
+      const kids = await engine.fork(name, n);
+      await Promise.all(kids.map((k) => k.agent.eval('1')));
+      const all = performance.now() - t;
+      const after = hostMemory();
+      const ready = kids.map((k) => k.timings.readyAt - k.timings.startedAt);
+      const priv = await Promise.all(kids.map(async (k) => (await k.stats()).privateKiB));
+      rows.push({
+        what: `fork N=${n}`,
+        readyMs: all,
+        p50: quantile(ready, 0.5),
+        p99: quantile(ready, 0.99),
+        createMs: NaN,
+        privKiB: priv.reduce((a, b) => a + b, 0) / n,
+        hostKiB: (after.anon - before.anon + after.secPageTables - before.secPageTables + after.slab - before.slab) / n,
+        note: 'ready = agent restore answered; all = first eval answered',
+      });
+      await Promise.all(kids.map((k) => k.kill()));
+    }
+    const [src] = await engine.fork(name, 1);
+    await src!.agent.eval('b = bytearray(50 << 20)\nfor i in range(0, len(b), 4096): b[i] = 1');
+    for (const n of [1, 10]) {
+      const t = performance.now();
+      const kids = await engine.branch(src!, n);
+      await Promise.all(kids.map((k) => k.agent.eval('len(b)')));
+      const all = performance.now() - t;
+      const b = engine.lastBranch!;
+      const ready = kids.map((k) => k.timings.readyAt - k.timings.startedAt);
+      rows.push({
+        what: `branch N=${n}`,
+        readyMs: all,
+        p50: quantile(ready, 0.5),
+        p99: quantile(ready, 0.99),
+        createMs: NaN,
+        privKiB: NaN,
+        hostKiB: NaN,
+        note: `source paused ${f(b.pauseUs / 1000, 2)} ms for ${b.privatePages} written pages in ${b.runs} runs`,
+      });
+      await Promise.all(kids.map((k) => k.kill()));
+    }
+    print(`forkling KVM fork/branch, Linux image ${values.image}`);
+  } finally {
+    await engine.close();
+    const { templateDir } = await import('../host/engine/kvm/template.ts');
+    rmSync(templateDir(name), { recursive: true, force: true });
+  }
+}
+
+if (values.guest === 'linux') await linux();
+else if (values.guest === 'tiny') await tiny();
+else throw new Error('--guest tiny|linux');
+process.exit(0);
