@@ -42,7 +42,6 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 MNT_DETACH = 2
 SYS_PIVOT_ROOT = 155
-PR_SET_PDEATHSIG = 1
 
 LAYERS = '/run/forkling-layers'
 SCRATCH = LAYERS + '/scratch'
@@ -58,6 +57,7 @@ STATE = {
     'base_fd': None,   # O_PATH fd of the read-only base overlay (lower of every child): frozen once
     'upper_fd': None,  # O_PATH fd of this sandbox's upper dir (copied by branch)
     'pidns_fd': None,  # this process's own pid namespace (to undo unshare(CLONE_NEWPID))
+    'lifeline_fd': None,  # read end of the host's lifeline pipe (zygote, cold-booted sandbox)
 }
 _lock = threading.Lock()  # one fork/branch at a time per process
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -105,10 +105,22 @@ def register(agent_mod):
     agent_mod.SCHEMA['ops'].setdefault('branch', {'args': FORK_ARGS, 'clientStream': False})
     agent_mod.OPS['fork'] = op_fork
     agent_mod.OPS['branch'] = op_branch
-    if ROLE == 'zygote':
-        # The launcher set it before exec; say it again (the host's death kills
-        # the zygote, and the kernel then kills its pid namespace: every sandbox).
-        _libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)
+    fd = os.environ.pop('FORKLING_LIFELINE_FD', None)
+    if ROLE in ('zygote', 'sandbox') and fd is not None and fd.isdigit():
+        # The host keeps the only write end: EOF means it is gone (or let us go).
+        # We are PID 1 of our namespaces: when we exit, the kernel kills every
+        # process in them, and so every fork of a zygote.
+        STATE['lifeline_fd'] = int(fd)
+        agent_mod.run_thread(_lifeline, int(fd), name='lifeline')
+
+
+def _lifeline(fd):
+    try:
+        while os.read(fd, 64):
+            pass
+    except OSError:
+        pass
+    os._exit(1)
 
 
 def _refuse(what):
@@ -294,6 +306,7 @@ def _child_main(agent, ch, sockdir, r, w, branch):
     """In the new child (PID 1 of its pid namespace): set up, listen, serve."""
     global _lock
     _lock = threading.Lock()  # the parent held it across the fork
+    _close_lifeline()
     try:
         os.close(r)
         _setup_child(ch, sockdir, branch)
@@ -310,6 +323,17 @@ def _child_main(agent, ch, sockdir, r, w, branch):
         agent.eval_loop()
     finally:
         os._exit(0)
+
+
+def _close_lifeline():
+    """A child lives in its parent's pid namespace and ends with it: the
+    parent's lifeline (watched by a thread the child does not have) is not its own."""
+    fd, STATE['lifeline_fd'] = STATE['lifeline_fd'], None
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def _setup_child(ch, sockdir, branch):

@@ -53,7 +53,10 @@ interface Root {
   runDir: string;
   console: string[];
   cgroup: Cgroup | null;
-  keeperExited: Promise<void>;
+  /** Resolves when the root's PID 1 has exited. */
+  exited: Promise<void>;
+  /** Our end of its lifeline pipe: closing it (or our death) ends the root. */
+  lifeline: number;
 }
 
 interface Zygote extends Root {
@@ -243,6 +246,7 @@ export class ProcessEngine implements Engine {
     mkdirSync(runDir, { recursive: true });
     const cgroup = this.cgroups.create(opts.cgName, opts.limits);
     const [r, w] = a.sandboxPipe();
+    const [lifeR, lifeW] = a.sandboxPipe();
     let launched: { pid: number; keeperPid: number };
     try {
       launched = a.sandboxLaunch({
@@ -258,15 +262,19 @@ export class ProcessEngine implements Engine {
           'LANG=C.UTF-8',
           'PYTHONDONTWRITEBYTECODE=1',
           `FORKLING_PROCESS_ROLE=${opts.role}`,
+          'FORKLING_LIFELINE_FD=5',
         ],
         cgroupProcs: cgroup?.procs ?? [],
         layerSizeMiB: Math.max(64, Math.round(opts.limits.memoryBytes / 2 ** 20)),
         stdoutFd: w,
+        lifelineFd: lifeR,
         seccomp: true,
       });
     } catch (e) {
       closeSync(r);
       closeSync(w);
+      closeSync(lifeR);
+      closeSync(lifeW);
       if (cgroup) await this.cgroups.remove(cgroup).catch(() => {});
       rmSync(dir, { recursive: true, force: true });
       const err = e as Error & { step?: string };
@@ -276,6 +284,7 @@ export class ProcessEngine implements Engine {
       );
     }
     closeSync(w);
+    closeSync(lifeR);
     const ring: string[] = [];
     let ready!: () => void;
     const readyLine = new Promise<void>((res) => {
@@ -296,17 +305,18 @@ export class ProcessEngine implements Engine {
       }
     });
     stream.on('error', () => {});
-    const keeperExited = a.sandboxWait(launched.keeperPid).then(
+    void a.sandboxWait(launched.keeperPid).catch(() => {}); // reaps the keeper, gone once the sandbox runs
+    const exited = a.sandboxWait(launched.pid).then(
       () => {},
       () => {},
     );
-    const root: Root = { ...launched, dir, runDir, console: ring, cgroup, keeperExited };
+    const root: Root = { ...launched, dir, runDir, console: ring, cgroup, exited, lifeline: lifeW };
     const timeoutMs = opts.readyTimeoutMs ?? 30000;
     let timer: ReturnType<typeof setTimeout> | undefined;
     try {
       await Promise.race([
         readyLine,
-        keeperExited.then(() => {
+        exited.then(() => {
           throw new Error(`the agent exited before it was ready; its output:\n${ring.slice(-20).join('\n')}`);
         }),
         new Promise((_, rej) => {
@@ -328,8 +338,12 @@ export class ProcessEngine implements Engine {
     } catch {}
     // The pid watch does not hold the event loop; this timer does, while we wait (and bounds the wait).
     let timer: ReturnType<typeof setTimeout> | undefined;
-    await Promise.race([root.keeperExited, new Promise((r) => (timer = setTimeout(r, 10000)))]);
+    await Promise.race([root.exited, new Promise((r) => (timer = setTimeout(r, 10000)))]);
     clearTimeout(timer);
+    if (root.lifeline >= 0) {
+      closeSync(root.lifeline);
+      root.lifeline = -1;
+    }
     if (root.cgroup) await this.cgroups.remove(root.cgroup).catch((e: Error) => this.warn(`forkling: ${e.message}`));
     rmSync(root.dir, { recursive: true, force: true });
   }

@@ -21,6 +21,8 @@ export interface LaunchOptions {
   layerSizeMiB?: number;
   /** fd that becomes the child's stdout and stderr (else /dev/null). */
   stdoutFd?: number;
+  /** Read end of a pipe whose write end only this process keeps: the sandbox gets it as fd 5 and ends at EOF. */
+  lifelineFd?: number;
   seccomp: boolean;
 }
 
@@ -30,9 +32,9 @@ export interface ExitStatus {
 }
 
 export interface Launched {
-  /** The sandbox's PID 1, as seen from here. */
+  /** The sandbox's PID 1, as seen from here (not our child). */
   pid: number;
-  /** Our child that waits for it and exits with it: reap it with sandboxWait(). */
+  /** Our child that set it up; it exits once the sandbox runs: reap it with sandboxWait(). */
   keeperPid: number;
 }
 
@@ -44,7 +46,10 @@ interface RawAddon {
 }
 
 export interface SandboxAddon extends RawAddon {
-  /** Resolves when our child `pid` has exited, and reaps it (a pidfd on the event loop; does not keep Node alive). */
+  /**
+   * Resolves when process `pid` has exited (reaping it when it is our child; the
+   * status is null for others). A pidfd on the event loop; does not keep Node alive.
+   */
   sandboxWait(pid: number): Promise<ExitStatus>;
 }
 
@@ -68,7 +73,15 @@ export function sandboxAddon(): SandboxAddon {
     const raw = mod as RawAddon;
     addon = {
       ...raw,
-      sandboxWait: (pid) => new Promise((resolve) => raw.sandboxWatch(pid, resolve)),
+      sandboxWait: (pid) =>
+        new Promise((resolve, reject) => {
+          try {
+            raw.sandboxWatch(pid, resolve);
+          } catch (e) {
+            if ((e as NodeJS.ErrnoException).code === 'ESRCH') resolve({ code: null, signal: null }); // already gone
+            else reject(e);
+          }
+        }),
     };
   }
   return addon;

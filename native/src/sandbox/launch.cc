@@ -106,10 +106,14 @@ struct Prepared {
   std::string innerUidMap, innerGidMap;
   bool keeperUserns = false;
   bool haveStdout = false;
+  bool haveLifeline = false;
 };
 
-constexpr int kErrFd = 3;     // status pipe to Node (CLOEXEC: closes at execve)
-constexpr int kStdoutFd = 4;  // becomes the sandbox's stdout/stderr
+constexpr int kErrFd = 3;       // status pipe to Node (CLOEXEC: closes at execve)
+constexpr int kStdoutFd = 4;    // becomes the sandbox's stdout/stderr
+constexpr int kLifelineFd = 5;  // read end of Node's lifeline pipe: EOF = Node is gone (kept across execve)
+constexpr int kSyncFd = 6;      // keeper <- Node go-ahead (CLOEXEC)
+constexpr int kExecFd = 7;      // keeper's view of the sandbox reaching execve (CLOEXEC in the sandbox)
 
 [[noreturn]] void Fail(int step, int err) {
   int msg[2] = {step, err};
@@ -158,15 +162,16 @@ void BindReadOnly(const char* src, const char* dst, int step) {
 }
 
 // The sandbox (the zygote, or a cold-booted sandbox): from the second clone to execve.
+// No PR_SET_PDEATHSIG here: the keeper exits once we exec. Until then, the
+// keeper's death (it dies with Node) shows as EOF on the go-ahead pipe; after,
+// the agent watches the lifeline fd (Node holds the only write end).
 [[noreturn]] void SandboxMain(const Prepared& p, int syncR) {
-  prctl(PR_SET_PDEATHSIG, SIGKILL);  // the keeper is our parent
   char c;
   if (read(syncR, &c, 1) != 1) _exit(126);
   close(syncR);
   // Without root on the host, the keeper's namespace denies setgroups (and so does ours, inherited).
   if (!p.keeperUserns && setgroups(0, nullptr) != 0) Fail(1, errno);
   if (setresgid(0, 0, 0) != 0 || setresuid(0, 0, 0) != 0) Fail(1, errno);
-  prctl(PR_SET_PDEATHSIG, SIGKILL);  // a credential change may clear it
   // The keeper has placed us in our cgroups: make them our cgroup root.
   if (unshare(CLONE_NEWCGROUP) != 0) Fail(2, errno);
   if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) Fail(3, errno);
@@ -228,7 +233,10 @@ void BindReadOnly(const char* src, const char* dst, int step) {
   if (devnull < 0) Fail(23, errno);
   int out = p.haveStdout ? kStdoutFd : devnull;
   if (dup2(devnull, 0) < 0 || dup2(out, 1) < 0 || dup2(out, 2) < 0) Fail(23, errno);
-  syscall(SYS_close_range, kStdoutFd, ~0U, 0);  // keeps kErrFd (CLOEXEC) for a failed exec
+  close(kStdoutFd);
+  // keeps kErrFd and kExecFd (both CLOEXEC: they close at execve) and the lifeline
+  syscall(SYS_close_range, kExecFd + 1, ~0U, 0);
+  if (devnull > 2) close(devnull);
 
   if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) Fail(22, errno);
   if (!p.filter.empty()) {
@@ -245,24 +253,26 @@ void BindReadOnly(const char* src, const char* dst, int step) {
 // its own (and, when we are not root, a user namespace mapping us to root).
 // It mounts what must be locked read-only for the sandbox (the image, the
 // agent directory) before the sandbox's user namespace exists, clones the
-// sandbox, maps its ids, puts it in its cgroups, then waits for it and exits
-// with it. Raw system calls only, on prepared data.
-[[noreturn]] void KeeperMain(const Prepared& p, int syncR, int errW, int stdoutFd) {
+// sandbox, maps its ids, puts it in its cgroups, lets it go and exits once it
+// has exec'd. Raw system calls only, on prepared data.
+[[noreturn]] void KeeperMain(const Prepared& p, int syncR, int errW, int stdoutFd, int lifelineFd) {
   prctl(PR_SET_PDEATHSIG, SIGKILL);  // dies with the JS thread that launched it
   prctl(PR_SET_NAME, "forkling-keeper", 0, 0, 0);
-  // Fixed fd numbers: the status pipe at 3 (CLOEXEC), the console at 4; nothing else of Node's.
+  // Fixed fd numbers (see kErrFd...); nothing else of Node's.
   int e = fcntl(errW, F_DUPFD_CLOEXEC, 100);
-  int o = p.haveStdout ? fcntl(stdoutFd, F_DUPFD_CLOEXEC, 100) : -1;
+  int o = fcntl(p.haveStdout ? stdoutFd : errW, F_DUPFD_CLOEXEC, 100);
+  int l = fcntl(p.haveLifeline ? lifelineFd : errW, F_DUPFD_CLOEXEC, 100);
   int s = fcntl(syncR, F_DUPFD_CLOEXEC, 100);
-  if (e < 0 || (p.haveStdout && o < 0) || s < 0) _exit(125);
+  if (e < 0 || o < 0 || l < 0 || s < 0) _exit(125);
   dup3(e, kErrFd, O_CLOEXEC);
-  if (p.haveStdout) dup2(o, kStdoutFd);
-  int syncFd = p.haveStdout ? 5 : 4;
-  dup3(s, syncFd, O_CLOEXEC);
-  syscall(SYS_close_range, syncFd + 1, ~0U, 0);
+  dup2(o, kStdoutFd);
+  if (p.haveLifeline) dup2(l, kLifelineFd);  // not CLOEXEC: the agent reads it
+  dup3(s, kSyncFd, O_CLOEXEC);
+  syscall(SYS_close_range, kSyncFd + 1, ~0U, 0);
+  if (!p.haveLifeline) close(kLifelineFd);
   char c;
-  if (read(syncFd, &c, 1) != 1) _exit(126);
-  close(syncFd);
+  if (read(kSyncFd, &c, 1) != 1) _exit(126);
+  close(kSyncFd);
   // Node's signal handlers mean nothing here.
   struct sigaction dfl;
   memset(&dfl, 0, sizeof dfl);
@@ -285,16 +295,27 @@ void BindReadOnly(const char* src, const char* dst, int step) {
     if (!MkdirP(p.agent.c_str())) Fail(5, errno);
     BindReadOnly(p.agentDir.c_str(), p.agent.c_str(), 16);
   }
-  int sync2[2];
-  if (pipe2(sync2, O_CLOEXEC) != 0) Fail(26, errno);
+  int sync2[2], execp[2];
+  if (pipe2(sync2, O_CLOEXEC) != 0 || pipe2(execp, O_CLOEXEC) != 0) Fail(26, errno);
+  // Out of the way of the fixed numbers first, then the exec pipe's write end at kExecFd.
+  for (int* fd : {&sync2[0], &sync2[1], &execp[0], &execp[1]}) {
+    int high = fcntl(*fd, F_DUPFD_CLOEXEC, 100);
+    if (high < 0) Fail(26, errno);
+    close(*fd);
+    *fd = high;
+  }
+  if (dup3(execp[1], kExecFd, O_CLOEXEC) < 0) Fail(26, errno);
+  close(execp[1]);
   long pid = syscall(SYS_clone, CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | SIGCHLD,
                      nullptr, nullptr, nullptr, 0);
   if (pid == 0) {
     close(sync2[1]);
+    close(execp[0]);
     SandboxMain(p, sync2[0]);
   }
   if (pid < 0) Fail(26, errno);
   close(sync2[0]);
+  close(kExecFd);
   char path[64], num[24];
   size_t n = FormatPid(num, pid);
   const char* procPrefix = "/proc/";
@@ -317,12 +338,16 @@ void BindReadOnly(const char* src, const char* dst, int step) {
   if (write(sync2[1], "g", 1) != 1) Fail(26, errno);
   close(sync2[1]);
   close(kErrFd);  // the sandbox keeps its copy until execve: EOF then means it runs
-  if (p.haveStdout) close(kStdoutFd);
-  int st = 0;
-  while (waitpid(static_cast<pid_t>(pid), &st, __WALL) < 0) {
-    if (errno != EINTR) _exit(125);
-  }
-  _exit(WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st));
+  close(kStdoutFd);
+  if (p.haveLifeline) close(kLifelineFd);
+  // Wait until the sandbox has exec'd (or died), then go: a keeper that stayed
+  // would hold a copy of every page Node writes from now on. The sandbox is
+  // then the init's to reap; Node watches it through a pidfd.
+  ssize_t got;
+  do {
+    got = read(execp[0], &c, 1);
+  } while (got < 0 && errno == EINTR);
+  _exit(0);
 }
 
 // ------------------------------------------------------------------ seccomp
@@ -434,9 +459,12 @@ void KillAndReap(pid_t pid) {
 }
 
 // sandboxLaunch({rootfs, stage, runDir, agentDir?, hostname, argv, env, cgroupProcs,
-//                layerSizeMiB?, stdoutFd?, seccomp}) -> {pid, keeperPid}
-// pid: the sandbox (PID 1 of its namespaces, as seen here); keeperPid: our
-// child that waits for it (reap it with sandboxWatch or sandboxReap).
+//                layerSizeMiB?, stdoutFd?, lifelineFd?, seccomp}) -> {pid, keeperPid}
+// pid: the sandbox (PID 1 of its namespaces, as seen here; not our child:
+// watch it with sandboxWatch); keeperPid: our child, gone once the sandbox
+// runs (reap it with sandboxWatch). lifelineFd: the read end of a pipe whose
+// write end only this process holds; the sandbox gets it as fd 5 and ends
+// itself at EOF (the agent watches it), which covers our death.
 Napi::Value Launch(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   if (!info[0].IsObject()) throw Napi::TypeError::New(env, "options must be an object");
@@ -461,6 +489,8 @@ Napi::Value Launch(const Napi::CallbackInfo& info) {
   uint32_t layerMiB = o.Get("layerSizeMiB").IsNumber() ? o.Get("layerSizeMiB").As<Napi::Number>().Uint32Value() : 1024;
   int stdoutFd = o.Get("stdoutFd").IsNumber() ? o.Get("stdoutFd").As<Napi::Number>().Int32Value() : -1;
   p.haveStdout = stdoutFd >= 0;
+  int lifelineFd = o.Get("lifelineFd").IsNumber() ? o.Get("lifelineFd").As<Napi::Number>().Int32Value() : -1;
+  p.haveLifeline = lifelineFd >= 0;
   if (o.Get("seccomp").ToBoolean()) p.filter = BuildFilter();
 
   // Root maps the sandbox's 0-65535 onto the host's 0-65535 (files of the
@@ -517,7 +547,7 @@ Napi::Value Launch(const Napi::CallbackInfo& info) {
   if (p.keeperUserns) flags |= CLONE_NEWUSER;
   long keeper = syscall(SYS_clone, flags, nullptr, nullptr, nullptr, 0);
   if (keeper == 0) {
-    KeeperMain(p, syncp[0], errp[1], stdoutFd);
+    KeeperMain(p, syncp[0], errp[1], stdoutFd, lifelineFd);
   }
   int cloneErr = errno;
   close(syncp[0]);
