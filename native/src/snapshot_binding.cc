@@ -6,7 +6,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <memory>
+#include <thread>
 #include <system_error>
 
 #include "errno_error.h"
@@ -144,7 +146,80 @@ Napi::Object WrapSpec(Napi::Env env, SpecRef spec) {
   return o;
 }
 
+using PreparedRef = std::unique_ptr<PreparedVm>;
+
+// Creates VMs from one snapshot on up to kPrepareThreads threads.
+class PrepareWorker : public Napi::AsyncWorker {
+ public:
+  static constexpr size_t kPrepareThreads = 16;
+  PrepareWorker(Napi::Env env, SpecRef spec, std::vector<vmm::VmConfig> cfgs)
+      : Napi::AsyncWorker(env), deferred_(Napi::Promise::Deferred::New(env)), spec_(std::move(spec)),
+        cfgs_(std::move(cfgs)), vms_(cfgs_.size()), errors_(cfgs_.size()) {}
+  Napi::Promise Promise() { return deferred_.Promise(); }
+
+  void Execute() override {
+    std::atomic<size_t> next{0};
+    auto work = [&] {
+      for (size_t i; (i = next.fetch_add(1)) < cfgs_.size();) {
+        try {
+          auto p = std::make_unique<PreparedVm>();
+          p->events = std::make_shared<EventForwarder>();
+          std::shared_ptr<EventForwarder> fwd = p->events;
+          p->vm = std::make_unique<vmm::Vm>(cfgs_[i], [fwd](vmm::VmEvent&& e) { fwd->Post(std::move(e)); }, spec_);
+          vms_[i] = std::move(p);
+        } catch (const std::exception& e) {
+          errors_[i] = e.what();
+          if (errors_[i].empty()) errors_[i] = "VM creation failed";
+        }
+      }
+    };
+    std::vector<std::thread> threads;
+    size_t n = std::min(kPrepareThreads, cfgs_.size());
+    for (size_t t = 1; t < n; t++) threads.emplace_back(work);
+    work();
+    for (auto& t : threads) t.join();
+  }
+  void OnOK() override {
+    Napi::Env env = Env();
+    for (size_t i = 0; i < errors_.size(); i++) {
+      if (!errors_[i].empty()) {
+        vms_.clear();  // kills every VM made
+        deferred_.Reject(Napi::Error::New(env, errors_[i]).Value());
+        return;
+      }
+    }
+    Napi::Array a = Napi::Array::New(env, vms_.size());
+    for (size_t i = 0; i < vms_.size(); i++) {
+      Napi::Object o = Napi::Object::New(env);
+      o.Set("prepared", Napi::External<PreparedRef>::New(env, new PreparedRef(std::move(vms_[i])),
+                                                         [](Napi::Env, PreparedRef* p) { delete p; }));
+      a.Set(uint32_t(i), o);
+    }
+    deferred_.Resolve(a);
+  }
+  void OnError(const Napi::Error& e) override { deferred_.Reject(e.Value()); }
+
+ private:
+  Napi::Promise::Deferred deferred_;
+  SpecRef spec_;
+  std::vector<vmm::VmConfig> cfgs_;
+  std::vector<PreparedRef> vms_;
+  std::vector<std::string> errors_;
+};
+
 }  // namespace
+
+std::unique_ptr<PreparedVm> TakePreparedVm(Napi::Value v) {
+  if (v.IsObject()) {
+    Napi::Value h = v.As<Napi::Object>().Get("prepared");
+    if (h.IsExternal()) {
+      PreparedRef* p = h.As<Napi::External<PreparedRef>>().Data();
+      if (*p) return std::move(*p);
+      throw Napi::TypeError::New(v.Env(), "this prepared VM was already taken");
+    }
+  }
+  throw Napi::TypeError::New(v.Env(), "prepared must be a value made by snapshot.prepareVms()");
+}
 
 std::shared_ptr<const vmm::RestoreSpec> RestoreSpecOf(Napi::Value v) {
   if (v.IsObject()) {
@@ -360,6 +435,32 @@ void InitSnapshot(Napi::Env env, Napi::Object exports) {
       if (!info[0].IsString() || !info[1].IsString()) throw std::invalid_argument("loadTemplate(dir, what)");
       return WrapSpec(info.Env(), ss::LoadTemplate(info[0].As<Napi::String>(), info[1].As<Napi::String>()));
     });
+  }));
+  // prepareVms(snapshot, [{vsockPath, vsockCid?, rng?}]) -> Promise<[{prepared}]>:
+  // the VMs are created and restored on worker threads, not started.
+  s.Set("prepareVms", Napi::Function::New(env, [](const Napi::CallbackInfo& info) -> Napi::Value {
+    Napi::Env env = info.Env();
+    SpecRef spec = RestoreSpecOf(info[0]);
+    if (!info[1].IsArray()) throw Napi::TypeError::New(env, "prepareVms(snapshot, configs)");
+    auto a = info[1].As<Napi::Array>();
+    if (a.Length() == 0 || a.Length() > 1024) throw Napi::RangeError::New(env, "prepareVms: 1 to 1024 VMs");
+    std::vector<vmm::VmConfig> cfgs;
+    for (uint32_t i = 0; i < a.Length(); i++) {
+      if (!a.Get(i).IsObject()) throw Napi::TypeError::New(env, "prepareVms: configs must be objects");
+      Napi::Object o = a.Get(i).As<Napi::Object>();
+      vmm::VmConfig c;
+      c.memory_bytes = spec->memory_bytes;
+      c.vcpus = spec->vcpus;
+      if (!o.Get("vsockPath").IsString()) throw Napi::TypeError::New(env, "prepareVms: vsockPath must be a string");
+      c.vsock_path = o.Get("vsockPath").As<Napi::String>();
+      if (o.Get("vsockCid").IsNumber()) c.vsock_cid = uint64_t(o.Get("vsockCid").As<Napi::Number>().Int64Value());
+      if (!o.Get("rng").IsUndefined()) c.rng = o.Get("rng").ToBoolean().Value();
+      cfgs.push_back(std::move(c));
+    }
+    auto* w = new PrepareWorker(env, spec, std::move(cfgs));
+    Napi::Promise p = w->Promise();
+    w->Queue();
+    return p;
   }));
   exports.Set("snapshot", s);
 }

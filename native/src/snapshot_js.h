@@ -4,7 +4,10 @@
 #pragma once
 #include <napi.h>
 
+#include <deque>
+#include <functional>
 #include <memory>
+#include <mutex>
 
 #include "vmm/vm.h"
 
@@ -19,5 +22,38 @@ Napi::Value VmSaveTemplate(const Napi::CallbackInfo& info, vmm::Vm& vm);
 Napi::Value VmBranch(const Napi::CallbackInfo& info, vmm::Vm& vm);
 // vm.memoryUsage(): guest pages private to this VM and shared with the page cache.
 Napi::Value VmMemoryUsage(const Napi::CallbackInfo& info, vmm::Vm& vm);
+
+// Events of a VM created before anyone could listen: buffered until a
+// target is set, then forwarded (any thread).
+class EventForwarder {
+ public:
+  void Post(vmm::VmEvent&& e) {
+    std::lock_guard<std::mutex> l(mu_);
+    if (target_) target_(std::move(e));
+    else if (buffered_.size() < 1000) buffered_.push_back(std::move(e));
+  }
+  void SetTarget(std::function<void(vmm::VmEvent&&)> t) {
+    std::lock_guard<std::mutex> l(mu_);
+    target_ = std::move(t);
+    for (auto& e : buffered_) target_(std::move(e));
+    buffered_.clear();
+  }
+
+ private:
+  std::mutex mu_;
+  std::function<void(vmm::VmEvent&&)> target_;
+  std::deque<vmm::VmEvent> buffered_;
+};
+
+// A VM restored from a snapshot on a worker thread by snapshot.prepareVms()
+// (VM creation waits on the kernel, e.g. for an SRCU grace period per memory
+// slot, so creating several at once overlaps those waits), not started.
+struct PreparedVm {
+  std::unique_ptr<vmm::Vm> vm;
+  std::shared_ptr<EventForwarder> events;
+};
+// Takes the VM out of a value made by prepareVms() (once); throws a TypeError
+// for anything else or a value already taken.
+std::unique_ptr<PreparedVm> TakePreparedVm(Napi::Value v);
 
 }  // namespace forkling

@@ -156,6 +156,17 @@ class VmWrap : public Napi::ObjectWrap<VmWrap> {
     if (info.Length() < 2 || !info[0].IsObject() || !info[1].IsFunction())
       throw Napi::TypeError::New(env, "new Vm(options, onEvents)");
     Napi::Object o = info[0].As<Napi::Object>();
+    // A VM already created and restored off the JS thread (snapshot.prepareVms).
+    if (!o.Get("prepared").IsUndefined()) {
+      std::unique_ptr<PreparedVm> p = TakePreparedVm(o.Get("prepared"));
+      events_ = std::make_shared<EventQueue>();
+      events_->self_ = events_;
+      events_->Init(Napi::ThreadSafeFunction::New(env, info[1].As<Napi::Function>(), "forkling-vm-events", 0, 1));
+      std::shared_ptr<EventQueue> q = events_;
+      p->events->SetTarget([q](VmEvent&& e) { q->Post(std::move(e)); });
+      vm_ = std::move(p->vm);
+      return;
+    }
     vmm::VmConfig cfg;
     // A restored VM (a fork or branch child) takes RAM and state from a snapshot.
     std::shared_ptr<const vmm::RestoreSpec> restore;

@@ -8,7 +8,8 @@ import { randomBytes } from 'node:crypto';
 import { AgentClient } from '../../agent/client.ts';
 import { UserError } from '../../errors.ts';
 import type { NativeSnapshot } from './native-vm.ts';
-import { AGENT_PORT, KvmSandbox } from './vm.ts';
+import { snapshotNative } from './snapshot-native.ts';
+import { AGENT_PORT, KvmSandbox, vsockPathFor } from './vm.ts';
 import { VsockConnectError, vsockConnect } from './vsock.ts';
 
 export const MAX_CHILDREN = 1024;
@@ -51,11 +52,18 @@ export async function startChildren(
 ): Promise<KvmSandbox[]> {
   if (!Number.isInteger(n) || n < 1 || n > MAX_CHILDREN) throw new UserError(`cannot start ${n} children`, `n must be an integer from 1 to ${MAX_CHILDREN}`);
   const children: KvmSandbox[] = [];
+  const t0 = performance.now();
   try {
-    // VM creation and state restore are synchronous C++ (a few ms each); the
-    // guests start running at once, while the next ones are created.
+    // VM creation and state restore run in C++ on worker threads (creation
+    // mostly waits on the kernel: an SRCU grace period per memory slot), then
+    // each VM is wrapped and started here.
+    const ids = Array.from({ length: n }, () => `${opts.prefix}-${randomBytes(6).toString('hex')}`);
+    const prepared = await snapshotNative().prepareVms(
+      snapshot,
+      ids.map((id) => ({ vsockPath: vsockPathFor(id) })),
+    );
     for (let i = 0; i < n; i++) {
-      const id = `${opts.prefix}-${randomBytes(6).toString('hex')}`;
+      const id = ids[i]!;
       const sb = KvmSandbox.fromSnapshot(
         {
           kernel: '',
@@ -64,10 +72,12 @@ export async function startChildren(
           vcpus: snapshot.vcpus,
           readyTimeoutMs: opts.readyTimeoutMs ?? CHILD_READY_TIMEOUT_MS,
           restore: snapshot,
+          prepared: prepared[i]!,
           ...(opts.onConsole ? { onConsole: (l: string) => opts.onConsole?.(id, l) } : {}),
         },
         id,
       );
+      sb.timings.startedAt = t0; // creation began with the fork, before the wrapper existed
       children.push(sb);
       sb.nativeVm().start();
     }

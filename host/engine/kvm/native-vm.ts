@@ -19,6 +19,13 @@ export interface NativeVmOptions {
    * vCPUs come from the snapshot.
    */
   restore?: NativeSnapshot;
+  /** Adopt a VM made by snapshot.prepareVms() (all other options are then ignored). */
+  prepared?: NativePreparedVm;
+}
+
+/** A VM created and restored off the JS thread, not started (snapshot.prepareVms). */
+export interface NativePreparedVm {
+  readonly prepared: unknown;
 }
 
 /** A snapshot a VM can be restored from (template or branch), held by the addon. */

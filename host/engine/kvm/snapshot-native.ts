@@ -3,7 +3,7 @@
 // layers. Errors for a bad file carry code 'ECORRUPT' and a message that
 // names what was loaded ("template X is corrupt: ...").
 import { type Mapping, native } from '../../native.ts';
-import type { NativeSnapshot } from './native-vm.ts';
+import type { NativePreparedVm, NativeSnapshot } from './native-vm.ts';
 
 export interface StateSection {
   tag: number;
@@ -45,6 +45,12 @@ export interface SnapshotNative {
   createTempDiffFile(dir: string): number;
   /** Reads and checks dir/state.bin and dir/memory.bin; the result restores VMs (NativeVmOptions.restore). */
   loadTemplate(dir: string, what: string): NativeSnapshot;
+  /**
+   * Creates and restores VMs from `snapshot` on worker threads (creation
+   * mostly waits on the kernel, so several at once overlap); not started.
+   * Each result is passed to `new Vm({ prepared })`.
+   */
+  prepareVms(snapshot: NativeSnapshot, configs: { vsockPath: string; vsockCid?: number; rng?: boolean }[]): Promise<NativePreparedVm[]>;
 }
 
 /** Section tags as the C++ side spells them (four ASCII characters, little-endian). */

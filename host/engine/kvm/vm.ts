@@ -9,7 +9,7 @@ import { join } from 'node:path';
 import { AgentClient, AgentError } from '../../agent/client.ts';
 import { UserError } from '../../errors.ts';
 import type { ExitInfo, Sandbox, SandboxStats } from '../engine.ts';
-import { type NativeSnapshot, type NativeVm, type NativeVmEvent, nativeVmClass } from './native-vm.ts';
+import { type NativePreparedVm, type NativeSnapshot, type NativeVm, type NativeVmEvent, nativeVmClass } from './native-vm.ts';
 import { VsockConnectError, vsockConnect } from './vsock.ts';
 
 export const AGENT_PORT = 1024;
@@ -25,6 +25,13 @@ export interface KvmBootSpec {
   readyTimeoutMs: number;
   /** Restore this snapshot instead of booting the kernel (fork and branch children, fork.ts). */
   restore?: NativeSnapshot;
+  /** A VM already created from `restore` off the JS thread (snapshot.prepareVms), made for vsockPathFor(id). */
+  prepared?: NativePreparedVm;
+}
+
+/** The vsock socket path of sandbox `id` (fork.ts prepares VMs for it before the sandbox exists). */
+export function vsockPathFor(id: string): string {
+  return join(socketDir(), `${id}.vsock`);
 }
 
 /** Where the VMs' vsock sockets live: $XDG_RUNTIME_DIR or the temp dir, private to this user. */
@@ -73,7 +80,7 @@ export class KvmSandbox implements Sandbox {
     this.exited = new Promise((r) => {
       this.resolveExit = r;
     });
-    this.vsockPath = join(socketDir(), `${id}.vsock`);
+    this.vsockPath = vsockPathFor(id);
     const Vm = nativeVmClass();
     this.timings.startedAt = performance.now();
     try {
@@ -86,6 +93,7 @@ export class KvmSandbox implements Sandbox {
           vcpus: spec.vcpus,
           vsockPath: this.vsockPath,
           ...(spec.restore ? { restore: spec.restore } : {}),
+          ...(spec.prepared ? { prepared: spec.prepared } : {}),
         },
         (events) => this.onEvents(events),
       );
