@@ -5,10 +5,11 @@
 // per child = Private_* of smaps_rollup of its processes while alive, after
 // that first answer. Builds the image `numpy` (default + python3-numpy) once.
 //   npx tsx bench/process-fork.ts [--image NAME] [--no-cold]
-import { readdirSync, readFileSync } from 'node:fs';
+import { readdirSync, readFileSync, rmSync } from 'node:fs';
 import { buildImage, imageExists, loadImage } from '../host/images.ts';
 import type { Sandbox } from '../host/engine/engine.ts';
 import { ProcessEngine } from '../host/engine/process/engine.ts';
+import { storePath } from '../host/store.ts';
 
 const args = process.argv.slice(2);
 const imageArg = args.indexOf('--image');
@@ -139,4 +140,5 @@ try {
   console.log('\ngoals: 100 children ready within 150 ms; under 512 KiB private per idle child; at least 50x faster than cold with numpy');
 } finally {
   await engine.close();
+  rmSync(storePath('process-templates', `${TEMPLATE}.json`), { force: true });
 }
