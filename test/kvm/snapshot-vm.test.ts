@@ -9,7 +9,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
-import type { NativeSnapshot, NativeVm, NativeVmEvent } from '../../host/engine/kvm/native-vm.ts';
+import type { NativePreparedVm, NativeSnapshot, NativeVm, NativeVmEvent } from '../../host/engine/kvm/native-vm.ts';
 import { nativeVmClass } from '../../host/engine/kvm/native-vm.ts';
 import { snapshotNative } from '../../host/engine/kvm/snapshot-native.ts';
 import { COUNTER_STEP, counterOf, writeTinyGuest } from './tiny-guest.ts';
@@ -31,9 +31,17 @@ class Tiny {
   readonly t0 = performance.now();
   firstCounterMs = -1;
 
-  constructor(opts: { restore?: NativeSnapshot }) {
+  constructor(opts: { restore?: NativeSnapshot; prepared?: NativePreparedVm }) {
     this.vm = new Vm(
-      { kernel, cmdline: '', memoryMiB: 64, vcpus: 1, vsockPath: join(dir, `v${sockN++}.sock`), ...(opts.restore ? { restore: opts.restore } : {}) },
+      {
+        kernel,
+        cmdline: '',
+        memoryMiB: 64,
+        vcpus: 1,
+        vsockPath: join(dir, `v${sockN++}.sock`),
+        ...(opts.restore ? { restore: opts.restore } : {}),
+        ...(opts.prepared ? { prepared: opts.prepared } : {}),
+      },
       (evs) => {
         for (const e of evs) {
           this.events.push(e);
@@ -132,6 +140,19 @@ test('fork: 10 children in parallel, each its own copy-on-write memory', async (
     assert.ok(u.guestSharedBytes >= 4096, 'reads are served from the shared page cache');
   }
   console.log(`    10 children created in ${created.toFixed(1)} ms (${(created / 10).toFixed(2)} ms each); private memory per child ${usage.map((u) => u.guestPrivateBytes / 1024).join('/')} KiB`);
+  for (const k of kids) k.vm.kill();
+});
+
+test('fork: VMs prepared on worker threads continue the template; a prepared VM is adopted once', async () => {
+  const spec = s.loadTemplate(tpl, 'template tiny');
+  const t0 = performance.now();
+  const prepared = await s.prepareVms(spec, Array.from({ length: 10 }, (_, i) => ({ vsockPath: join(dir, `p${i}.sock`) })));
+  const made = performance.now() - t0;
+  const kids = prepared.map((p) => new Tiny({ prepared: p }));
+  await Promise.all(kids.map((k) => k.more(1)));
+  for (const k of kids) assert.ok(k.counters[0]! > templateLast);
+  console.log(`    10 VMs created and restored on worker threads in ${made.toFixed(1)} ms`);
+  assert.throws(() => new Tiny({ prepared: prepared[0]! }), /already taken/);
   for (const k of kids) k.vm.kill();
 });
 

@@ -1,0 +1,142 @@
+// Fork on the KVM engine with a Linux image and its agent (needs /dev/kvm on
+// which the distribution kernel boots, and the default image): warm-up state
+// in every child, 10 children in parallel, fresh entropy and clock in each,
+// children independent, memory freed on kill, corrupt templates refused.
+import { execFileSync } from 'node:child_process';
+import { copyFileSync, cpSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { join } from 'node:path';
+import { test } from 'uvu';
+import * as assert from 'uvu/assert';
+import type { TemplateInfo } from '../../host/engine/engine.ts';
+import { KvmEngine } from '../../host/engine/kvm/engine.ts';
+import { MEMORY_FILE, STATE_FILE, templateDir } from '../../host/engine/kvm/template.ts';
+
+const engine = new KvmEngine();
+const NAME = `test-fork-${process.pid}`;
+const WARMUP = 'import os, random, uuid, time\nWARM = "warm-" + str(6 * 7)\nrandom.seed(1234)\nTEMPLATE_FIRST = random.random()';
+let info: TemplateInfo;
+
+async function rejects(p: () => Promise<unknown>, match: RegExp): Promise<void> {
+  try {
+    await p();
+  } catch (e) {
+    assert.match((e as Error).message, match);
+    return;
+  }
+  assert.unreachable(`expected a rejection matching ${match}`);
+}
+
+function mappingsOf(path: string): number {
+  return readFileSync('/proc/self/maps', 'utf8').split('\n').filter((l) => l.endsWith(path)).length;
+}
+
+test.before(async () => {
+  info = await engine.createTemplate({ name: NAME, image: 'default', warmup: WARMUP });
+});
+
+test('the warm-up state is in every child; children are ready after restore', async () => {
+  const kids = await engine.fork(NAME, 3);
+  try {
+    for (const k of kids) {
+      assert.ok(k.timings.readyAt > k.timings.startedAt);
+      const r = await k.agent.eval('WARM');
+      assert.is(r.value, 'warm-42');
+      const h = await k.agent.request('hello', { versions: [1] });
+      assert.is(h.sandboxId, k.id, 'restore set the sandbox id');
+    }
+  } finally {
+    await Promise.all(kids.map((k) => k.kill()));
+  }
+});
+
+test('10 children in parallel each answer their own eval', async () => {
+  const kids = await engine.fork(NAME, 10);
+  try {
+    const answers = await Promise.all(kids.map((k, i) => k.agent.eval(`${i} * 1000 + 7`)));
+    assert.equal(answers.map((a) => a.value), kids.map((_, i) => i * 1000 + 7));
+  } finally {
+    await Promise.all(kids.map((k) => k.kill()));
+  }
+});
+
+test('os.urandom, uuid4 and random.random differ in every child and from the template', async () => {
+  // What the template itself would draw next from its seeded generator.
+  const templateNext = Number(execFileSync('/usr/bin/python3', ['-c', 'import random; random.seed(1234); random.random(); print(repr(random.random()))']).toString().trim());
+  const kids = await engine.fork(NAME, 5);
+  try {
+    const draws = await Promise.all(kids.map((k) => k.agent.eval('(os.urandom(16).hex(), str(uuid.uuid4()), random.random())')));
+    const vals = draws.map((d) => d.value as [string, string, number]);
+    for (let i = 0; i < 3; i++) assert.is(new Set(vals.map((v) => v[i])).size, kids.length, `draw ${i} differs in every child`);
+    for (const v of vals) assert.is.not(v[2], templateNext, 'random was reseeded by restore');
+  } finally {
+    await Promise.all(kids.map((k) => k.kill()));
+  }
+});
+
+test('time.time() in a child of a template made a while ago is within 1 s of the host', async () => {
+  // The template's clock stopped when it was saved; make sure it is old.
+  const age = Date.now() - Date.parse(info.createdAt);
+  if (age < 3000) await new Promise((r) => setTimeout(r, 3000 - age));
+  const [k] = await engine.fork(NAME, 1);
+  try {
+    const r = await k!.agent.eval('time.time()');
+    const host = Date.now() / 1000;
+    assert.ok(Math.abs((r.value as number) - host) < 1, `guest ${r.value} host ${host}`);
+  } finally {
+    await k!.kill();
+  }
+});
+
+test('a file written in one child is absent in its siblings', async () => {
+  const [a, b] = await engine.fork(NAME, 2);
+  try {
+    await a!.agent.writeFile('/tmp/only-in-a', 'a');
+    assert.is((await a!.agent.request('files.exists', { path: '/tmp/only-in-a' })).exists, true);
+    assert.is((await b!.agent.request('files.exists', { path: '/tmp/only-in-a' })).exists, false);
+    await a!.agent.eval('WARM = "changed"');
+    assert.is((await b!.agent.eval('WARM')).value, 'warm-42');
+  } finally {
+    await Promise.all([a!.kill(), b!.kill()]);
+  }
+});
+
+test('children own few pages while alive; killing them frees their memory', async () => {
+  const mem = join(templateDir(NAME), MEMORY_FILE);
+  const kids = await engine.fork(NAME, 3);
+  const stats = await Promise.all(kids.map((k) => k.stats()));
+  for (const s of stats) assert.ok(s.privateKiB > 0 && s.privateKiB < 64 * 1024, `${s.privateKiB} KiB private`);
+  console.log(`    private memory per idle child: ${stats.map((s) => s.privateKiB).join(', ')} KiB`);
+  assert.ok(mappingsOf(mem) >= 3);
+  await Promise.all(kids.map((k) => k.kill()));
+  assert.is(mappingsOf(mem), 0, 'no child maps the memory file any more');
+});
+
+test('a corrupted state file or memory file is refused', async () => {
+  const bad = `${NAME}-bad`;
+  const dir = templateDir(bad);
+  try {
+    cpSync(templateDir(NAME), dir, { recursive: true });
+    const infoPath = join(dir, 'template.json');
+    writeFileSync(infoPath, readFileSync(infoPath, 'utf8').replace(`"name": "${NAME}"`, `"name": "${bad}"`));
+    const state = readFileSync(join(dir, STATE_FILE));
+    state[state.length >> 1]! ^= 1;
+    writeFileSync(join(dir, STATE_FILE), state);
+    await rejects(() => engine.fork(bad, 1), /template .* is corrupt: state file/);
+    copyFileSync(join(templateDir(NAME), STATE_FILE), join(dir, STATE_FILE));
+    const fd = readFileSync(join(dir, MEMORY_FILE));
+    // flip a byte in the first non-zero page
+    let at = fd.findIndex((b) => b !== 0);
+    if (at < 0) at = 0;
+    fd[at]! ^= 1;
+    writeFileSync(join(dir, MEMORY_FILE), fd);
+    await rejects(() => engine.fork(bad, 1), /template .* is corrupt: memory file .* fails its checksum/);
+  } finally {
+    rmSync(dir, { recursive: true, force: true });
+  }
+});
+
+test.after(async () => {
+  await engine.close();
+  rmSync(templateDir(NAME), { recursive: true, force: true });
+});
+test.run();
