@@ -209,6 +209,9 @@ export class KvmSandbox implements Sandbox {
           const sock = await vsockConnect(this.vsockPath, AGENT_PORT, Math.min(left, 10_000));
           sock.setNoDelay?.(true);
           const client = new AgentClient(sock);
+          // vsockConnect hands the socket over paused (so no byte after the OK
+          // line is lost); a 'data' listener does not restart a paused stream.
+          sock.resume();
           // A connected agent answers at once; one that does not (a broken
           // data path) must not stall the boot past its limit.
           let timer: NodeJS.Timeout | undefined;
@@ -231,6 +234,8 @@ export class KvmSandbox implements Sandbox {
           this.client = client;
           return;
         } catch (e) {
+          // The VM may have stopped meanwhile (its socket is gone): report that, at the top of the loop.
+          if (stopped || this.exitInfo) continue;
           if (e instanceof VsockConnectError && !e.retryable) throw new UserError(`cannot reach the agent: ${e.message}`);
           if (!(e instanceof VsockConnectError) && !(e instanceof AgentError)) throw e;
           lastError = e.message;

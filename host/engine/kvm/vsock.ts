@@ -18,7 +18,11 @@ export class VsockConnectError extends Error {
 
 const MAX_LINE = 64;
 
-/** One attempt: resolves with the bridged socket, or rejects with VsockConnectError. */
+/**
+ * One attempt: resolves with the bridged socket, paused (bytes that followed
+ * the OK line are pushed back into it; the caller resumes it once it listens),
+ * or rejects with VsockConnectError.
+ */
 export function vsockConnect(udsPath: string, port: number, timeoutMs: number): Promise<Socket> {
   return new Promise((resolve, reject) => {
     const sock = connect(udsPath);
