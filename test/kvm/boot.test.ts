@@ -29,9 +29,16 @@ function progress(line: string): void {
 const READY_MS = Number(process.env.FORKLING_TEST_BOOT_TIMEOUT_MS ?? 180_000);
 const rssMiB = () => process.memoryUsage().rss / 2 ** 20;
 const figures: string[] = [];
-let a: KvmSandbox;
-let b: KvmSandbox;
-let c: KvmSandbox;
+// Tests share VMs; each boots the ones it needs if an earlier test could not
+// (one failure is reported once, not as a cascade).
+let a: KvmSandbox | undefined;
+let b: KvmSandbox | undefined;
+let c: KvmSandbox | undefined;
+let bVm: KvmSandbox | undefined;
+const vmA = async () => {
+  a ??= await boot('vm A');
+  return a;
+};
 const rss0 = rssMiB();
 
 async function boot(tag: string, vcpus = 1): Promise<KvmSandbox> {
@@ -67,6 +74,7 @@ test('boots the default image; the agent answers hello, eval and exec over vsock
 });
 
 test('a 64 MiB file round-trips through the files API with the same sha256', async () => {
+  const a = await vmA();
   progress('a 64 MiB file round-trips through the files API with the same sha256');
   const small = randomBytes(2 ** 20);
   const s0 = performance.now();
@@ -91,8 +99,10 @@ test('a 64 MiB file round-trips through the files API with the same sha256', asy
 });
 
 test('two VMs run at once and do not see each other; a VM with 2 vCPUs sees both', async () => {
+  const a = await vmA();
   progress('two VMs run at once and do not see each other; a VM with 2 vCPUs sees both');
-  b = await boot('vm B (2 vCPUs, while A runs)', 2);
+  const b = await boot('vm B (2 vCPUs, while A runs)', 2);
+  bVm = b;
   assert.is((await b.agent.eval('import os; os.cpu_count()')).value, 2, 'the MP table brought up the second CPU');
   await a.agent.writeFile('/tmp/only-in-a', new TextEncoder().encode('a'));
   const [ra, rb] = await Promise.all([
@@ -105,6 +115,8 @@ test('two VMs run at once and do not see each other; a VM with 2 vCPUs sees both
 });
 
 test('a guest kernel panic is reported with its console lines; the host goes on', async () => {
+  const a = await vmA();
+  b = bVm ?? (await boot('vm B'));
   progress('a guest kernel panic is reported with its console lines; the host goes on');
   const panicked = b.exited;
   b.agent.exec('echo c > /proc/sysrq-trigger').catch(() => {});
@@ -121,6 +133,8 @@ test('a guest kernel panic is reported with its console lines; the host goes on'
 });
 
 test('a clean poweroff ends each VM and frees its memory', async () => {
+  const a = await vmA();
+  c ??= await boot('vm C');
   progress('a clean poweroff ends each VM and frees its memory');
   const during = rssMiB();
   const guest = ((await a.stats()).privateKiB + (await c.stats()).privateKiB) / 1024;
