@@ -12,7 +12,10 @@
 //   mitigations=off        the VM is the security boundary, not the guest kernel
 //   i8042.*                no PS/2 mouse/mux probing; no keyboard commands to wait on
 //   8250.nr_uarts=1        probe one UART, not four
-//   init_on_free=1         freed guest pages are zero (part 2 writes them as holes)
+//   init_on_free=1         freed guest pages are zero (part 2 writes them as holes);
+//                          the price: the kernel zeroes all of RAM as it frees it
+//                          at boot, so every guest page is touched (host memory =
+//                          guest RAM); `initOnFree: false` drops it
 //   random.trust_cpu=on    RDRAND seeds the CRNG at once where the CPU has it
 //   quiet                  the console costs a VM exit per byte
 export const BASE_CMDLINE = [
@@ -27,13 +30,21 @@ export const BASE_CMDLINE = [
   'i8042.nomux',
   'i8042.dumbkbd',
   '8250.nr_uarts=1',
-  'init_on_free=1',
   'random.trust_cpu=on',
 ];
 
 /** Base options, then the image's (e.g. rdinit=/init forkling.port=1024), then extras. */
-export function kernelCmdline(imageArgs: readonly string[], opts: { verbose?: boolean; extra?: readonly string[] } = {}): string {
-  const args = [...BASE_CMDLINE, ...(opts.verbose ? [] : ['quiet']), ...imageArgs, ...(opts.extra ?? [])];
+export function kernelCmdline(
+  imageArgs: readonly string[],
+  opts: { verbose?: boolean; initOnFree?: boolean; extra?: readonly string[] } = {},
+): string {
+  const args = [
+    ...BASE_CMDLINE,
+    ...(opts.initOnFree === false ? [] : ['init_on_free=1']),
+    ...(opts.verbose ? [] : ['quiet']),
+    ...imageArgs,
+    ...(opts.extra ?? []),
+  ];
   for (const a of args) {
     if (!/^[\x21-\x7e]+$/.test(a)) throw new Error(`kernel argument ${JSON.stringify(a)} is empty or has spaces/control characters`);
   }

@@ -19,6 +19,8 @@ export interface KvmBootOptions extends BootOptions {
   verbose?: boolean;
   /** Extra kernel arguments. */
   kernelArgs?: string[];
+  /** init_on_free=1 (default true): see cmdline.ts for what it costs. */
+  initOnFree?: boolean;
 }
 
 function checkResources(memoryMiB: number, vcpus: number): void {
@@ -40,7 +42,11 @@ export class KvmEngine implements Engine {
     const vcpus = opts.vcpus ?? 1;
     checkResources(memoryMiB, vcpus);
     const image = await ensureImage(opts.image);
-    const cmdline = kernelCmdline(image.manifest.cmdline, { verbose: opts.verbose, extra: opts.kernelArgs });
+    const cmdline = kernelCmdline(image.manifest.cmdline, {
+      verbose: opts.verbose,
+      initOnFree: opts.initOnFree,
+      extra: opts.kernelArgs,
+    });
     const sb = await KvmSandbox.boot({
       kernel: image.kernel,
       initrd: image.initramfs,
