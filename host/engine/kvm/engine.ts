@@ -1,6 +1,7 @@
 // The KVM engine: every sandbox is a microVM in this process (native/src/vmm),
 // booted from an image's kernel and initramfs; the agent is reached over
 // virtio-vsock. Templates, fork and branch are part 2 (issue 6).
+import { existsSync } from 'node:fs';
 import { UserError } from '../../errors.ts';
 import { ensureImage } from '../../images.ts';
 import type { BootOptions, Engine, Sandbox, TemplateInfo, TemplateOptions } from '../engine.ts';
@@ -23,6 +24,21 @@ export interface KvmBootOptions extends BootOptions {
   initOnFree?: boolean;
 }
 
+/**
+ * Why this host's /dev/kvm cannot boot the stock kernel, or null. kvm_pvm (a
+ * software nested-virtualization KVM with shadow paging, as on some cloud
+ * sandboxes) runs a distribution kernel's early boot mostly by emulation:
+ * minutes to the first message, then an emulation failure (measured: the
+ * decompressor alone > 45 s, then XRSTOR and CMPXCHG16B fail to emulate).
+ * FORKLING_ALLOW_PVM=1 tries anyway.
+ */
+export function kvmHostProblem(): string | null {
+  if (existsSync('/sys/module/kvm_pvm') && process.env.FORKLING_ALLOW_PVM !== '1') {
+    return "this host's /dev/kvm is kvm_pvm (software nested virtualization), which cannot run the distribution kernel in reasonable time";
+  }
+  return null;
+}
+
 function checkResources(memoryMiB: number, vcpus: number): void {
   if (!Number.isInteger(memoryMiB) || memoryMiB < 64 || memoryMiB > 1 << 20 || memoryMiB % 2 !== 0) {
     throw new UserError(`invalid memory size ${memoryMiB} MiB`, 'use an even number of MiB from 64 (the default is 512)');
@@ -41,6 +57,8 @@ export class KvmEngine implements Engine {
     const memoryMiB = opts.memoryMiB ?? DEFAULT_MEMORY_MIB;
     const vcpus = opts.vcpus ?? 1;
     checkResources(memoryMiB, vcpus);
+    const problem = kvmHostProblem();
+    if (problem) throw new UserError(problem, 'use --engine process here, or run the KVM tests in the lab (npm run test:kvm); FORKLING_ALLOW_PVM=1 tries anyway');
     const image = await ensureImage(opts.image);
     const cmdline = kernelCmdline(image.manifest.cmdline, {
       verbose: opts.verbose,
@@ -70,6 +88,8 @@ export class KvmEngine implements Engine {
     const memoryMiB = opts.memoryMiB ?? DEFAULT_MEMORY_MIB;
     const vcpus = opts.vcpus ?? 1;
     checkResources(memoryMiB, vcpus);
+    const problem = kvmHostProblem();
+    if (problem) throw new UserError(problem, 'use --engine process here, or run the KVM tests in the lab (npm run test:kvm); FORKLING_ALLOW_PVM=1 tries anyway');
     return createKvmTemplate((o) => this.boot(o), { ...opts, memoryMiB, vcpus });
   }
 
