@@ -9,7 +9,7 @@
 //   node test/run.mjs kvm-direct run test/kvm directly (used inside the lab)
 //   FORKLING_TEST_FILTER=regex   only test files whose path matches
 import { spawn, spawnSync } from 'node:child_process';
-import { accessSync, constants, readFileSync, readdirSync } from 'node:fs';
+import { accessSync, constants, existsSync, readFileSync, readdirSync } from 'node:fs';
 import { dirname, join, relative } from 'node:path';
 import { fileURLToPath } from 'node:url';
 
@@ -121,7 +121,9 @@ async function runFiles(title, files, { parallel = 2, timeoutMs = 300_000 } = {}
   );
 }
 
+/** KVM good enough for Linux guests: /dev/kvm usable and not kvm_pvm (see host/doctor/kvm-probe.ts). */
 function kvmUsable() {
+  if (existsSync('/sys/module/kvm_pvm') && process.env.FORKLING_ALLOW_PVM !== '1') return false;
   try {
     accessSync('/dev/kvm', constants.R_OK | constants.W_OK);
     return true;

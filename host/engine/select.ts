@@ -2,7 +2,7 @@
 // (the option wins). `auto` picks kvm where /dev/kvm opens read-write, else
 // process, and says which and why in one line; the process engine always
 // states its weaker isolation.
-import { closeSync, constants, openSync } from 'node:fs';
+import { probeKvm } from '../doctor/kvm-probe.ts';
 import { UserError } from '../errors.ts';
 import type { Engine, EngineName } from './engine.ts';
 import { PROCESS_ISOLATION } from './process/engine.ts';
@@ -24,22 +24,10 @@ export function parseEngineChoice(option?: string, env: NodeJS.ProcessEnv = proc
   throw new UserError(`unknown engine ${JSON.stringify(raw)} (from ${from})`, 'use kvm, process or auto');
 }
 
-/** Whether /dev/kvm can be used: it opens read-write. `why` says what happened. */
-export function kvmUsable(path = '/dev/kvm'): { ok: boolean; why: string } {
-  try {
-    const fd = openSync(path, constants.O_RDWR);
-    closeSync(fd);
-    return { ok: true, why: `${path} is usable` };
-  } catch (e) {
-    const code = (e as NodeJS.ErrnoException).code ?? 'error';
-    const what =
-      code === 'ENOENT'
-        ? `${path} does not exist (no hardware virtualisation here, or the kvm module is not loaded)`
-        : code === 'EACCES' || code === 'EPERM'
-          ? `${path} is not accessible to this user (add it to the kvm group)`
-          : `${path} cannot be opened (${code})`;
-    return { ok: false, why: what };
-  }
+/** Whether the KVM engine can run here (/dev/kvm usable, API and capabilities, not kvm_pvm). */
+export function kvmUsable(device?: string): { ok: boolean; why: string } {
+  const p = probeKvm(device);
+  return { ok: p.usable, why: p.reason };
 }
 
 /** Resolves a choice to an engine name and the line to print. Throws when kvm is asked for and unusable. */

@@ -6,6 +6,7 @@ import { join } from 'node:path';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import { UserError } from '../../host/errors.ts';
+import { kvmHostProblem } from '../../host/doctor/kvm-probe.ts';
 import { kvmUsable, openEngine, parseEngineChoice, resolveEngine } from '../../host/engine/select.ts';
 
 const NO_KVM = { ok: false, why: '/dev/kvm does not exist (no hardware virtualisation here, or the kvm module is not loaded)' };
@@ -50,15 +51,22 @@ test('process always states its weaker isolation; kvm asked for but unusable is 
   assert.throws(() => resolveEngine('kvm', NO_KVM), (e: Error) => e instanceof UserError && /--engine process/.test((e as UserError).hint ?? ''));
 });
 
-test('kvmUsable opens the device read-write: a missing or read-only file is not usable', () => {
+test('kvmUsable: a missing or inaccessible device is not usable; kvm_pvm is refused unless allowed', () => {
   const dir = mkdtempSync(join(tmpdir(), 'forkling-select-'));
   try {
     assert.is(kvmUsable(join(dir, 'kvm')).ok, false);
     assert.match(kvmUsable(join(dir, 'kvm')).why, 'does not exist');
-    const f = join(dir, 'rw');
-    writeFileSync(f, '');
-    assert.is(kvmUsable(f).ok, true);
+    const f = join(dir, 'ro');
+    writeFileSync(f, '', { mode: 0o400 });
+    if (process.getuid?.() !== 0) assert.match(kvmUsable(f).why, 'not readable and writable');
+    const marker = join(dir, 'kvm_pvm');
+    assert.is(kvmHostProblem(marker), null);
+    writeFileSync(marker, '');
+    assert.match(kvmHostProblem(marker) ?? '', 'kvm_pvm');
+    process.env.FORKLING_ALLOW_PVM = '1';
+    assert.is(kvmHostProblem(marker), null);
   } finally {
+    delete process.env.FORKLING_ALLOW_PVM;
     rmSync(dir, { recursive: true, force: true });
   }
 });

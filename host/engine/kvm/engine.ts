@@ -1,8 +1,8 @@
 // The KVM engine: every sandbox is a microVM in this process (native/src/vmm),
 // booted from an image's kernel and initramfs; the agent is reached over
 // virtio-vsock. Templates, fork and branch are part 2 (issue 6).
-import { existsSync } from 'node:fs';
 import { UserError } from '../../errors.ts';
+import { kvmHostProblem } from '../../doctor/kvm-probe.ts';
 import { ensureImage } from '../../images.ts';
 import type { BootOptions, Engine, Sandbox, TemplateInfo, TemplateOptions } from '../engine.ts';
 import { type BranchFigures, branchChildren } from './branch.ts';
@@ -22,21 +22,6 @@ export interface KvmBootOptions extends BootOptions {
   kernelArgs?: string[];
   /** init_on_free=1 (default true): see cmdline.ts for what it costs. */
   initOnFree?: boolean;
-}
-
-/**
- * Why this host's /dev/kvm cannot boot the stock kernel, or null. kvm_pvm (a
- * software nested-virtualization KVM with shadow paging, as on some cloud
- * sandboxes) runs a distribution kernel's early boot mostly by emulation:
- * minutes to the first message, then an emulation failure (measured: the
- * decompressor alone > 45 s, then XRSTOR and CMPXCHG16B fail to emulate).
- * FORKLING_ALLOW_PVM=1 tries anyway.
- */
-export function kvmHostProblem(): string | null {
-  if (existsSync('/sys/module/kvm_pvm') && process.env.FORKLING_ALLOW_PVM !== '1') {
-    return "this host's /dev/kvm is kvm_pvm (software nested virtualization), which cannot run the distribution kernel in reasonable time";
-  }
-  return null;
 }
 
 function checkResources(memoryMiB: number, vcpus: number): void {
