@@ -3,7 +3,7 @@
 // staging directory that replaces the old one atomically). The state and
 // memory files are checked when loaded: a missing, truncated or corrupt
 // template is refused with an error that names it, never restored.
-import { existsSync, readFileSync } from 'node:fs';
+import { existsSync, readFileSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { checkName, UserError } from '../../errors.ts';
 import { buildDirAtomic, storePath } from '../../store.ts';
@@ -109,7 +109,6 @@ export async function createKvmTemplate(
     };
     await buildDirAtomic(templateDir(opts.name), async (staging) => {
       const w = vm.saveTemplate(staging);
-      const { writeFileSync } = await import('node:fs');
       writeFileSync(join(staging, INFO_FILE), `${JSON.stringify({ ...info, memoryFile: w.memory, stateBytes: w.stateBytes }, null, 2)}\n`);
     });
     return info;
