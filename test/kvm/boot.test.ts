@@ -11,6 +11,7 @@ import * as assert from 'uvu/assert';
 import { KvmEngine } from '../../host/engine/kvm/engine.ts';
 import { kernelCmdline } from '../../host/engine/kvm/cmdline.ts';
 import { KvmSandbox } from '../../host/engine/kvm/vm.ts';
+import { runCommand } from '../../host/cli/run.ts';
 import { loadImage } from '../../host/images.ts';
 
 const engine = new KvmEngine();
@@ -181,6 +182,27 @@ test('a guest that panics before its agent is ready gives an error with its last
   assert.match(msg, /stopped before its agent was ready \(crashed/, msg);
   assert.match(msg, /Kernel panic - not syncing/);
   assert.ok(performance.now() - t0 < READY_MS, 'within the time limit');
+});
+
+test('forkling run --eval --json: boot, run, clean poweroff, one JSON result', async () => {
+  progress('forkling run --eval --json');
+  const lines: string[] = [];
+  const log = console.log;
+  console.log = (...args: unknown[]) => {
+    lines.push(args.join(' '));
+  };
+  let code: number;
+  try {
+    code = await runCommand(['default', '--eval', 'import os; (6 * 7, os.cpu_count())', '--vcpus', '2', '--memory', '384', '--json', '--timeout', String(Math.round(READY_MS / 1000))]);
+  } finally {
+    console.log = log;
+  }
+  assert.is(code, 0, lines.join('\n'));
+  const out = JSON.parse(lines.at(-1) ?? '{}') as { engine: string; result: { value: unknown }; exit: { reason: string }; bootMs: number };
+  assert.is(out.engine, 'kvm');
+  assert.equal(out.result.value, [42, 2]);
+  assert.is(out.exit.reason, 'poweroff');
+  figures.push(`forkling run (384 MiB, 2 vCPUs): boot-to-ready ${out.bootMs} ms`);
 });
 
 test.after(async () => {

@@ -45,6 +45,17 @@ export class KvmEngine implements Engine {
     const problem = kvmHostProblem();
     if (problem) throw new UserError(problem, 'use --engine process here, or run the KVM tests in the lab (npm run test:kvm); FORKLING_ALLOW_PVM=1 tries anyway');
     const image = await ensureImage(opts.image);
+    // The initramfs is unpacked into RAM (tmpfs, at most half of it) while its
+    // compressed copy is still there; below this the guest panics with
+    // "Initramfs unpacking failed" (measured: the default image at 256 MiB).
+    const { unpacked, compressed } = image.manifest.sizes;
+    const minMiB = Math.ceil((2 * (unpacked + compressed)) / 2 ** 20 + 64);
+    if (memoryMiB < minMiB) {
+      throw new UserError(
+        `image ${image.name} needs about ${minMiB} MiB of guest memory (its initramfs unpacks to ${Math.round(unpacked / 2 ** 20)} MiB in RAM); ${memoryMiB} MiB is too little`,
+        `use --memory ${Math.ceil(minMiB / 64) * 64} or more`,
+      );
+    }
     const cmdline = kernelCmdline(image.manifest.cmdline, {
       verbose: opts.verbose,
       initOnFree: opts.initOnFree,
