@@ -26,13 +26,27 @@ async function restoreAgent(sb: KvmSandbox, timeoutMs: number): Promise<AgentCli
     if (left <= 0) throw new Error(`child ${sb.id}: its agent did not answer within ${timeoutMs} ms (${last})`);
     try {
       const sock = await vsockConnect(sb.vsockPath, AGENT_PORT, Math.min(left, 5000));
+      sock.setNoDelay?.(true);
       const client = new AgentClient(sock);
+      // vsockConnect hands the socket over paused (no byte after its OK line lost).
+      sock.resume();
+      // A restored agent answers at once; one that does not must not stall the fork past its limit.
+      let timer: NodeJS.Timeout | undefined;
       try {
-        await client.hello();
-        await client.restore({ entropy: randomBytes(64), time: Date.now() / 1000, hostname: sb.id, sandboxId: sb.id });
+        await Promise.race([
+          (async () => {
+            await client.hello();
+            await client.restore({ entropy: randomBytes(64), time: Date.now() / 1000, hostname: sb.id, sandboxId: sb.id });
+          })(),
+          new Promise<never>((_, reject) => {
+            timer = setTimeout(() => reject(new Error('no answer to hello/restore')), Math.max(1, deadline - performance.now()));
+          }),
+        ]);
       } catch (e) {
         client.close();
         throw e;
+      } finally {
+        clearTimeout(timer);
       }
       return client;
     } catch (e) {
