@@ -107,7 +107,7 @@ function runFile(file, timeoutMs) {
   });
 }
 
-async function runFiles(title, files, { parallel = 2, timeoutMs = 300_000 } = {}) {
+async function runFiles(title, files, { parallel = 2, timeoutMs = 900_000 } = {}) {
   section(title);
   if (files.length === 0) {
     skip(title, 'no test files found');

@@ -33,6 +33,10 @@ mount -t 9p -o trans=virtio,version=9p2000.L,ro,cache=loose,msize=262144 host /h
 for d in proc sys dev tmp; do
 	[ -d "/host/$d" ] || fail "the host has no /$d to mount on"
 done
+# A second view of the host root that the tmpfs mounts below do not cover: the
+# checkout or the store may live under /tmp or /run (CI clones anywhere).
+mkdir -p /hostroot
+mount -o bind /host /hostroot || fail "bind of the host root failed"
 mount -t proc proc /host/proc
 mount -t sysfs sysfs /host/sys
 mount -t devtmpfs devtmpfs /host/dev
@@ -45,16 +49,22 @@ mount -t tmpfs -o mode=1777 tmpfs /host/tmp || fail "tmpfs on /tmp"
 # The host's store, readable, writable through an overlay whose changes live in
 # the lab's /tmp (the outer store is never modified).
 STORE=/tmp/forkling-store
-if [ -n "$LAB_STORE" ] && [ -d "/host$LAB_STORE" ]; then
+if [ -n "$LAB_STORE" ] && [ -d "/hostroot$LAB_STORE" ]; then
 	mkdir -p /host/tmp/.lab-store/upper /host/tmp/.lab-store/work
-	mount -t overlay overlay -o "lowerdir=/host$LAB_STORE,upperdir=/host/tmp/.lab-store/upper,workdir=/host/tmp/.lab-store/work" "/host$LAB_STORE" ||
+	mkdir -p "/host$LAB_STORE"
+	mount -t overlay overlay -o "lowerdir=/hostroot$LAB_STORE,upperdir=/host/tmp/.lab-store/upper,workdir=/host/tmp/.lab-store/work" "/host$LAB_STORE" ||
 		fail "overlay on the store $LAB_STORE failed"
 	STORE="$LAB_STORE"
 else
 	echo "LAB-NOTE the store ${LAB_STORE:-(unset)} does not exist on the host; using an empty one in /tmp"
 	mkdir -p "/host$STORE"
 fi
-[ -d "/host$LAB_REPO" ] || fail "the checkout $LAB_REPO is not visible through the host share"
+[ -d "/hostroot$LAB_REPO" ] || fail "the checkout $LAB_REPO is not visible through the host share"
+if [ ! -d "/host$LAB_REPO" ]; then
+	# hidden below one of the lab's tmpfs mounts: bring it back
+	mkdir -p "/host$LAB_REPO"
+	mount -o bind "/hostroot$LAB_REPO" "/host$LAB_REPO" || fail "bind of the checkout $LAB_REPO failed"
+fi
 [ -x "/host$LAB_NODE" ] || fail "node ($LAB_NODE) is not visible through the host share"
 echo "LAB-STAGE mounted $(cut -d' ' -f1 /proc/uptime)"
 
