@@ -4,7 +4,7 @@
 // (about a minute, cached in the store).
 import { spawnSync } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { chownSync, existsSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { chownSync, existsSync, mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { test } from 'uvu';
@@ -123,6 +123,45 @@ test('BRANCH to depth 3: each level sees every variable above it; sources keep r
   await val(x!.agent, 'L0 = "x"; 1');
   assert.is(await val(y!.agent, 'L0'), 'zero');
   await Promise.all([b3, b2, b1, x, y, root].map((s) => s!.kill()));
+});
+
+test('killing a source leaves its branches running; the last branch to go takes the source with it', async () => {
+  const [src] = await engine.fork(TEMPLATE, 1);
+  await val(src!.agent, 'import subprocess\nS = "state of the source"; open("/tmp/src", "w").write("src file")\nP = subprocess.Popen(["sleep", "1000"])\n1');
+  const srcPid = hostPid(src!);
+  const kidsOf = (pid: number) =>
+    readdirSync(`/proc/${pid}/task`).flatMap((t) => readFileSync(`/proc/${pid}/task/${t}/children`, 'utf8').split(' ').filter(Boolean).map(Number));
+  const srcSleep = kidsOf(srcPid);
+  assert.is(srcSleep.length, 1, 'the source has one child process: its sleep');
+  const srcCg = (src as unknown as { cgroup: { dirs: string[] } | null }).cgroup?.dirs ?? [];
+  const srcRun = (src as unknown as { runDir: string }).runDir;
+  const [b1] = await engine.branch(src!, 1);
+  await val(b1!.agent, 'B1 = "b1"; open("/tmp/b1", "w").write("b1 file"); 1');
+  const [b2] = await engine.branch(b1!, 1);
+  const b1Pid = hostPid(b1!);
+  await src!.kill();
+  assert.is((await src!.exited).reason, 'killed');
+  // the source's own processes are gone (its PID 1 is held, stopped, while its branches live) ...
+  assert.not.ok(alive(srcSleep[0]!), 'the source\'s sleep is killed at once');
+  const srcState = readFileSync(`/proc/${srcPid}/stat`, 'utf8');
+  assert.is(srcState[srcState.lastIndexOf(')') + 2], 'T', 'the source PID 1 is stopped');
+  // ... and its branches answer, with their memory and files intact
+  assert.equal(await val(b1!.agent, '(S, B1, open("/tmp/src").read(), open("/tmp/b1").read(), WARM["answer"])'), ['state of the source', 'b1', 'src file', 'b1 file', 42]);
+  assert.equal(await val(b2!.agent, '(S, B1, os.getpid())'), ['state of the source', 'b1', 1]);
+  // killing the middle one (which has a branch of its own) keeps b2 going too
+  await b1!.kill();
+  assert.equal(await val(b2!.agent, 'S + "!"'), 'state of the source!');
+  const [b3] = await engine.branch(b2!, 1);
+  assert.is(await val(b3!.agent, 'B1'), 'b1');
+  await b3!.kill();
+  assert.ok(alive(srcPid) && alive(b1Pid), 'the held sources stay while b2 lives');
+  await b2!.kill();
+  await (src as unknown as { finished: Promise<void> }).finished;
+  assert.not.ok(alive(srcPid), 'the source PID 1 is gone with its last branch');
+  assert.not.ok(alive(b1Pid), 'so is the middle one');
+  for (const d of srcCg) assert.not.ok(existsSync(d), `cgroup ${d} removed`);
+  assert.not.ok(existsSync(srcRun), 'its runtime directory (with its branches\' sockets) removed');
+  assert.is((engine as unknown as { holding: Set<unknown> }).holding.size, 0);
 });
 
 test('killing children frees their memory, files, processes and cgroups', async () => {

@@ -102,9 +102,48 @@ function childrenByNsPid(pid: number): Map<number, number> {
   return out;
 }
 
+/** Host pids of every descendant of `pid` (through all its threads), not entering the subtrees of `skip`. */
+function descendants(pid: number, skip: ReadonlySet<number>): number[] {
+  const out: number[] = [];
+  const todo = [pid];
+  while (todo.length) {
+    const p = todo.pop()!;
+    let tasks: string[] = [];
+    try {
+      tasks = readdirSync(`/proc/${p}/task`);
+    } catch {
+      continue;
+    }
+    for (const t of tasks) {
+      let kids: string[] = [];
+      try {
+        kids = readFileSync(`/proc/${p}/task/${t}/children`, 'utf8').split(' ').filter(Boolean);
+      } catch {
+        continue;
+      }
+      for (const k of kids.map(Number)) {
+        if (skip.has(k)) continue;
+        out.push(k);
+        todo.push(k);
+      }
+    }
+  }
+  return out;
+}
+
 function median(xs: number[]): number {
   const s = xs.filter((x) => !Number.isNaN(x)).sort((a, b) => a - b);
   return s[Math.floor(s.length / 2)] ?? Number.NaN;
+}
+
+/** Exists and is not a zombie. */
+function alivePid(pid: number): boolean {
+  try {
+    const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
+    return stat[stat.lastIndexOf(')') + 2] !== 'Z';
+  } catch {
+    return false;
+  }
 }
 
 function privateKiB(pid: number): number {
@@ -144,34 +183,116 @@ class ProcessSandbox implements Sandbox {
     this.exited = new Promise((r) => {
       this.resolveExit = r;
     });
+    this.finished = new Promise((r) => {
+      this.resolveFinished = r;
+    });
     // The engine's connection is the sandbox's lifeline: when it ends (the
     // agent died, or it was closed), the sandbox is killed and cleaned up.
     void agent.closed.then((why) => this.end(why.message));
   }
 
+  /** Set for a branch: the sandbox it was branched from. */
+  parent: ProcessSandbox | null = null;
+  /** Its branches that have not been cleaned up yet (live, or retired and still holding theirs). */
+  readonly branches = new Set<ProcessSandbox>();
+  /**
+   * Killed while branches lived: its PID 1 is stopped (not killed: it is the
+   * init of the pid namespace its branches' namespaces are nested in) and
+   * every other process of it killed; cleaned up when its last branch goes.
+   */
+  retired = false;
+  /** Resolves once everything it held is gone (process, cgroup, directories). */
+  readonly finished: Promise<void>;
+  private resolveFinished!: () => void;
+
   async end(why: string): Promise<void> {
     if (this.ended) return this.exited.then(() => {});
     this.ended = true;
+    const info: ExitInfo = this.killing ? { reason: 'killed' } : { reason: 'crashed', message: why };
+    if (this.branches.size > 0 && this.retire()) {
+      this.agent.close();
+      try {
+        unlinkSync(this.link);
+      } catch {}
+      this.owner.forget(this);
+      this.owner.holding.add(this);
+      this.resolveExit(info);
+      return;
+    }
     try {
       process.kill(this.hostPid, 'SIGKILL'); // its pid namespace dies with it
     } catch {}
     this.agent.close();
-    const cleanup: string[] = [];
+    const cleanup = await this.cleanup();
+    this.owner.forget(this);
+    if (cleanup.length) info.message = `${info.message ? `${info.message}; ` : ''}cleanup: ${cleanup.join('; ')}`;
+    this.resolveExit(info);
+    this.finish();
+  }
+
+  /**
+   * Its branches live in pid namespaces nested in its own, so killing its PID
+   * 1 would kill them too. Instead: stop its PID 1 (SIGSTOP from an ancestor
+   * namespace cannot be caught or ignored by a namespace's init, and nothing
+   * left in the sandbox can send SIGCONT), then kill every other process of
+   * it (its descendants outside its branches' process trees) until none is left.
+   */
+  private retire(): boolean {
+    try {
+      process.kill(this.hostPid, 'SIGSTOP');
+    } catch {
+      return false; // already gone: so are its branches
+    }
+    this.retired = true;
+    if (this.cgroup) this.owner.cgroups.freeze(this.cgroup, false); // a frozen process would hold its SIGKILL (cgroup v1)
+    const skip = new Set([...this.branches].map((b) => b.hostPid));
+    for (let round = 0; round < 1000; round++) {
+      const rest = descendants(this.hostPid, skip).filter((p) => alivePid(p));
+      if (rest.length === 0) break;
+      for (const p of rest) {
+        try {
+          process.kill(p, 'SIGKILL');
+        } catch {}
+      }
+    }
+    return true;
+  }
+
+  /** A branch is gone: a retired source with no branch left goes too. */
+  private branchGone(b: ProcessSandbox): void {
+    this.branches.delete(b);
+    if (this.retired && this.branches.size === 0) {
+      this.retired = false;
+      try {
+        process.kill(this.hostPid, 'SIGKILL');
+      } catch {}
+      void this.cleanup().then((errors) => {
+        for (const e of errors) this.owner.warnLine(`forkling: ${e}`);
+        this.owner.holding.delete(this);
+        this.finish();
+      });
+    }
+  }
+
+  private async cleanup(): Promise<string[]> {
+    const errors: string[] = [];
     if (this.cgroup) {
       try {
         await this.owner.cgroups.remove(this.cgroup);
       } catch (e) {
-        cleanup.push((e as Error).message);
+        errors.push((e as Error).message);
       }
     }
     try {
       unlinkSync(this.link);
     } catch {}
     rmSync(this.runDir, { recursive: true, force: true });
-    this.owner.forget(this);
-    const info: ExitInfo = this.killing ? { reason: 'killed' } : { reason: 'crashed', message: why };
-    if (cleanup.length) info.message = `${info.message ? `${info.message}; ` : ''}cleanup: ${cleanup.join('; ')}`;
-    this.resolveExit(info);
+    return errors;
+  }
+
+  private finish(): void {
+    this.resolveFinished();
+    this.parent?.branchGone(this);
   }
 
   async pause(): Promise<void> {
@@ -209,6 +330,8 @@ export class ProcessEngine implements Engine {
   private readonly sandboxes = new Set<ProcessSandbox>();
   private readonly booted = new Set<Root>();
   private readonly warn: (line: string) => void;
+  /** Killed sources whose PID 1 is held (stopped) until their last branch goes. */
+  readonly holding = new Set<ProcessSandbox>();
   private readonly rootfsOf: (image: string) => Promise<string>;
   private readonly pidsPerSandbox: number;
   private readonly spareTarget: number;
@@ -528,7 +651,7 @@ export class ProcessEngine implements Engine {
       throw new UserError('branch: the source is not a live sandbox of this process engine');
     }
     if (!Number.isInteger(n) || n < 1 || n > 1024) throw new UserError(`cannot branch ${n} children`, 'n must be an integer from 1 to 1024');
-    return this.spawnChildren(source.agent, source.hostPid, source.runDir, 'b', n, source.limits, source.template);
+    return this.spawnChildren(source.agent, source.hostPid, source.runDir, 'b', n, source.limits, source.template, true, performance.now(), source);
   }
 
   /** Asks `parent` (a zygote or a sandbox) for n forks; places, connects and restores each. */
@@ -542,6 +665,7 @@ export class ProcessEngine implements Engine {
     template: string,
     restore = true,
     startedAt = performance.now(),
+    source?: ProcessSandbox,
   ): Promise<ProcessSandbox[]> {
     const ids = Array.from({ length: n }, newId);
     const op = sub === 's' ? 'fork' : 'branch';
@@ -585,6 +709,10 @@ export class ProcessEngine implements Engine {
             }
             const sb = new ProcessSandbox(c.id, agent, { startedAt, readyAt: performance.now() }, hostPid, runDir, link, cg, this, template, limits);
             cgroups.delete(c.id);
+            if (source) {
+              sb.parent = source;
+              source.branches.add(sb);
+            }
             if (restore) this.sandboxes.add(sb);
             made.push(sb);
             return sb;
@@ -610,6 +738,10 @@ export class ProcessEngine implements Engine {
 
   /** Where the time of the last fork or branch went (benchmarks): cgroups made, parent's reply (every child listening), all restored. */
   lastSpawn: { n: number; cgroupsMs: number; replyMs: number; readyMs: number; childSetupMsMedian: number } | null = null;
+
+  warnLine(line: string): void {
+    this.warn(line);
+  }
 
   forget(sb: ProcessSandbox): void {
     this.sandboxes.delete(sb);
@@ -639,6 +771,7 @@ export class ProcessEngine implements Engine {
     const roots = [...this.zygotes.values(), ...this.retired];
     for (const z of roots) await z.refilling;
     await Promise.all([...this.sandboxes, ...roots.flatMap((z) => z.spares)].map((s) => s.kill()));
+    await Promise.all([...this.holding].map((s) => s.finished));
     this.zygotes.clear();
     for (const z of roots) z.client.close();
     await Promise.all([...roots, ...this.booted].map((r) => this.destroyRoot(r)));
