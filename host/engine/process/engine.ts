@@ -696,9 +696,15 @@ export class ProcessEngine implements Engine {
               // The socket's directory belongs to the parent sandbox (for a branch): check that the
               // agent that answers is the child we asked for, not whatever a symlink there points at.
               agent = await connectUnix(join(link, SOCKET), { hello: false });
-              const hello = await agent.hello();
+              const helloP = agent.hello();
+              // A fork's socket directory is the zygote's, which made the child anyway: its restore
+              // goes out with the hello (one round trip less). A branch's entropy waits for the check.
+              const early = restore && sub === 's' ? agent.restore({ entropy: randomBytes(64), hostname: c.id, sandboxId: c.id }) : null;
+              early?.catch(() => {});
+              const hello = await helloP;
               if (hello.sandboxId !== c.id) throw new Error(`child ${c.id}: the agent on its socket says it is ${JSON.stringify(hello.sandboxId)}`);
-              if (restore) await agent.restore({ entropy: randomBytes(64), hostname: c.id, sandboxId: c.id });
+              if (early) await early;
+              else if (restore) await agent.restore({ entropy: randomBytes(64), hostname: c.id, sandboxId: c.id });
             } catch (e) {
               agent?.close();
               try {
