@@ -139,6 +139,7 @@ test('killing a source leaves its branches running; the last branch to go takes 
   await val(b1!.agent, 'B1 = "b1"; open("/tmp/b1", "w").write("b1 file"); 1');
   const [b2] = await engine.branch(b1!, 1);
   const b1Pid = hostPid(b1!);
+  await src!.pause(); // a paused (frozen) source must still lose its other processes when killed
   await src!.kill();
   assert.is((await src!.exited).reason, 'killed');
   // the source's own processes are gone (its PID 1 is held, stopped, while its branches live) ...
@@ -162,6 +163,19 @@ test('killing a source leaves its branches running; the last branch to go takes 
   for (const d of srcCg) assert.not.ok(existsSync(d), `cgroup ${d} removed`);
   assert.not.ok(existsSync(srcRun), 'its runtime directory (with its branches\' sockets) removed');
   assert.is((engine as unknown as { holding: Set<unknown> }).holding.size, 0);
+});
+
+test('close() with a killed source still held by a live branch removes both', async () => {
+  const e2 = new ProcessEngine({ warn: (l) => warnings.push(l), pidsPerSandbox: 64 });
+  const [src] = await e2.fork(TEMPLATE, 1);
+  const [b] = await e2.branch(src!, 1);
+  const pids = [hostPid(src!), hostPid(b!)];
+  const cgs = [src, b].flatMap((s) => (s as unknown as { cgroup: { dirs: string[] } | null }).cgroup?.dirs ?? []);
+  await src!.kill();
+  assert.is(await val(b!.agent, 'WARM["answer"]'), 42);
+  await e2.close();
+  for (const p of pids) assert.not.ok(alive(p), `process ${p} gone after close`);
+  for (const d of cgs) assert.not.ok(existsSync(d), `cgroup ${d} removed`);
 });
 
 test('killing children frees their memory, files, processes and cgroups', async () => {

@@ -209,13 +209,13 @@ class ProcessSandbox implements Sandbox {
     if (this.ended) return this.exited.then(() => {});
     this.ended = true;
     const info: ExitInfo = this.killing ? { reason: 'killed' } : { reason: 'crashed', message: why };
-    if (this.branches.size > 0 && this.retire()) {
+    if (this.branches.size > 0 && (await this.retire())) {
       this.agent.close();
       try {
         unlinkSync(this.link);
       } catch {}
       this.owner.forget(this);
-      this.owner.holding.add(this);
+      if (this.retired) this.owner.holding.add(this); // (its last branch may have gone meanwhile)
       this.resolveExit(info);
       return;
     }
@@ -237,7 +237,7 @@ class ProcessSandbox implements Sandbox {
    * left in the sandbox can send SIGCONT), then kill every other process of
    * it (its descendants outside its branches' process trees) until none is left.
    */
-  private retire(): boolean {
+  private async retire(): Promise<boolean> {
     try {
       process.kill(this.hostPid, 'SIGSTOP');
     } catch {
@@ -246,14 +246,21 @@ class ProcessSandbox implements Sandbox {
     this.retired = true;
     if (this.cgroup) this.owner.cgroups.freeze(this.cgroup, false); // a frozen process would hold its SIGKILL (cgroup v1)
     const skip = new Set([...this.branches].map((b) => b.hostPid));
-    for (let round = 0; round < 1000; round++) {
+    // Until none is left (they may fork meanwhile); bounded: one that cannot die (D state) is reported.
+    const deadline = Date.now() + 5000;
+    for (let wait = 0; ; wait = Math.min(wait * 2 || 1, 50)) {
       const rest = descendants(this.hostPid, skip).filter((p) => alivePid(p));
       if (rest.length === 0) break;
+      if (Date.now() > deadline) {
+        this.owner.warnLine(`forkling: sandbox ${this.id}: processes ${rest.join(' ')} did not die; they go with its PID 1 later`);
+        break;
+      }
       for (const p of rest) {
         try {
           process.kill(p, 'SIGKILL');
         } catch {}
       }
+      await new Promise((r) => setTimeout(r, wait));
     }
     return true;
   }
