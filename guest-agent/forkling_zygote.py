@@ -166,6 +166,23 @@ def _freeze_base():
         _agent_mod.log('zygote rehearsal failed: %r' % e)
     gc.collect()
     gc.freeze()
+    if os.environ.get('FORKLING_PROCESS_KSM') == '1':
+        _ksm_opt_in()
+
+
+PR_SET_MEMORY_MERGE = 67
+
+
+def _ksm_opt_in():
+    """Marks every anonymous page of the zygote mergeable by KSM (Linux >= 6.4),
+    inherited by each fork. Most pages a child makes private end up identical
+    to the zygote's (a refcount back where it was) or to every sibling's (the
+    same first writes in each child); where the host runs KSM
+    (/sys/kernel/mm/ksm/run = 1) they are shared again. Opt-in: merged pages
+    are a timing side channel between sandboxes (see the README)."""
+    rc = _libc.prctl(ctypes.c_int(PR_SET_MEMORY_MERGE), ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))
+    if rc != 0:
+        _agent_mod.log('zygote: PR_SET_MEMORY_MERGE failed: %s (no KSM sharing)' % os.strerror(ctypes.get_errno()))
 
 
 def _rehearse(agent, rounds=24):

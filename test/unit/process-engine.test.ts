@@ -178,6 +178,27 @@ test('close() with a killed source still held by a live branch removes both', as
   for (const d of cgs) assert.not.ok(existsSync(d), `cgroup ${d} removed`);
 });
 
+test('KSM opt-in: forks of a ksm engine have all their memory mergeable; by default they do not', async () => {
+  const mergeAny = (pid: number) => /^ksm_merge_any: (\w+)/m.exec(readFileSync(`/proc/${pid}/ksm_stat`, 'utf8'))?.[1];
+  const [plain] = await engine.fork(TEMPLATE, 1);
+  if (!existsSync(`/proc/${hostPid(plain!)}/ksm_stat`) || mergeAny(hostPid(plain!)) === undefined) {
+    console.log('  (kernel without PR_SET_MEMORY_MERGE / ksm_stat: KSM check skipped)');
+    await plain!.kill();
+    return;
+  }
+  assert.is(mergeAny(hostPid(plain!)), 'no');
+  await plain!.kill();
+  const e2 = new ProcessEngine({ warn: (l) => warnings.push(l), pidsPerSandbox: 64, ksm: true });
+  try {
+    const [k] = await e2.fork(TEMPLATE, 1);
+    assert.is(mergeAny(hostPid(k!)), 'yes');
+    assert.is(mergeAny(e2.zygotePid(TEMPLATE)!), 'yes');
+    assert.is(await val(k!.agent, 'WARM["answer"]'), 42);
+  } finally {
+    await e2.close();
+  }
+});
+
 test('killing children frees their memory, files, processes and cgroups', async () => {
   const [c] = await engine.fork(TEMPLATE, 1);
   const pid = hostPid(c!);

@@ -43,6 +43,14 @@ export interface ProcessEngineOptions {
    * Each costs a child's memory while it waits. Default $FORKLING_PROCESS_SPARES or 0.
    */
   spares?: number;
+  /**
+   * Let KSM share identical pages between a zygote and its forks (Linux >= 6.4;
+   * works only where the host runs KSM, /sys/kernel/mm/ksm/run = 1). Cuts what
+   * an idle child holds alone, at the price of a timing side channel between
+   * sandboxes (a write to a merged page is slower: one sandbox can tell whether
+   * another holds a page with the same content). Default $FORKLING_PROCESS_KSM === '1'.
+   */
+  ksm?: boolean;
 }
 
 /** A launched namespace root (zygote or cold-booted sandbox) and what the host holds for it. */
@@ -342,6 +350,7 @@ export class ProcessEngine implements Engine {
   private readonly rootfsOf: (image: string) => Promise<string>;
   private readonly pidsPerSandbox: number;
   private readonly spareTarget: number;
+  private readonly ksm: boolean;
   private closed = false;
   private readonly onExit = () => this.killAllNow();
 
@@ -350,6 +359,10 @@ export class ProcessEngine implements Engine {
     this.rootfsOf = opts.rootfsOf ?? (async (image) => (await ensureImage(image)).rootfs);
     this.pidsPerSandbox = opts.pidsPerSandbox ?? DEFAULT_PIDS;
     this.spareTarget = Math.max(0, Math.min(1024, Math.floor(opts.spares ?? Number(process.env.FORKLING_PROCESS_SPARES ?? 0)) || 0));
+    this.ksm = opts.ksm ?? process.env.FORKLING_PROCESS_KSM === '1';
+    if (this.ksm && ksmRun() !== '1') {
+      this.warn(`forkling: KSM sharing asked for, but the host's KSM is not running (/sys/kernel/mm/ksm/run = ${ksmRun() ?? 'absent'}): no effect until it is`);
+    }
     sandboxAddon(); // fail early when the addon lacks the launcher
     this.dir = makeEngineDir();
     mkdirSync(join(this.dir, 'l'));
@@ -393,6 +406,7 @@ export class ProcessEngine implements Engine {
           'PYTHONDONTWRITEBYTECODE=1',
           `FORKLING_PROCESS_ROLE=${opts.role}`,
           'FORKLING_LIFELINE_FD=5',
+          ...(this.ksm && opts.role === 'zygote' ? ['FORKLING_PROCESS_KSM=1'] : []),
         ],
         cgroupProcs: cgroup?.procs ?? [],
         layerSizeMiB: Math.max(64, Math.round(opts.limits.memoryBytes / 2 ** 20)),
@@ -800,6 +814,15 @@ export class ProcessEngine implements Engine {
         process.kill(r.pid, 'SIGKILL');
       } catch {}
     }
+  }
+}
+
+/** The host's KSM switch (0 off, 1 running, 2 unmerging), or null where the kernel has no KSM. */
+export function ksmRun(): string | null {
+  try {
+    return readFileSync('/sys/kernel/mm/ksm/run', 'utf8').trim();
+  } catch {
+    return null;
   }
 }
 
