@@ -4,8 +4,8 @@
 // scratch). "Ready" = every child has answered its first eval. Private memory
 // per child = Private_* of smaps_rollup of its processes while alive, after
 // that first answer. Builds the image `numpy` (default + python3-numpy) once.
-//   npx tsx bench/process-fork.ts [--image NAME] [--no-cold]
-import { readdirSync, readFileSync, rmSync } from 'node:fs';
+//   npx tsx bench/process-fork.ts [--image NAME] [--no-cold] [--ksm]
+import { closeSync, openSync, readdirSync, readFileSync, readSync, rmSync } from 'node:fs';
 import { buildImage, imageExists, loadImage } from '../host/images.ts';
 import type { Sandbox } from '../host/engine/engine.ts';
 import { ProcessEngine } from '../host/engine/process/engine.ts';
@@ -15,6 +15,7 @@ const args = process.argv.slice(2);
 const imageArg = args.indexOf('--image');
 const IMAGE = imageArg >= 0 ? args[imageArg + 1]! : 'numpy';
 const COLD = !args.includes('--no-cold');
+const KSM = args.includes('--ksm');
 const WARMUP = 'import numpy';
 const NS = [1, 10, 100];
 
@@ -24,7 +25,7 @@ if (!imageExists(IMAGE)) {
   await buildImage({ name: 'numpy', extras: ['python3-numpy'], ifMissing: true });
 }
 const rootfs = loadImage(IMAGE).rootfs;
-const engine = new ProcessEngine({ rootfsOf: async () => rootfs });
+const engine = new ProcessEngine({ rootfsOf: async () => rootfs, ksm: KSM });
 const TEMPLATE = `bench-fork-${process.pid}`;
 
 /** CPU time of a process's live threads, in ms (schedstat: nanosecond run time). */
@@ -38,6 +39,55 @@ function cpuMs(pid: number): number {
     }
   } catch {}
   return ns / 1e6;
+}
+
+/**
+ * Of a child's private pages (present, mapped by it alone), how many KiB are
+ * byte for byte unlike the zygote's page at the same address and unlike a
+ * sibling's: what it would still hold alone where KSM shares identical pages
+ * (option `ksm`). Reads /proc/<pid>/pagemap and mem: needs root; null otherwise.
+ */
+function uniqueKiB(child: number, others: number[]): number | null {
+  const PAGE = 4096;
+  let pm: number;
+  const mems: number[] = [];
+  try {
+    pm = openSync(`/proc/${child}/pagemap`, 'r');
+    mems.push(openSync(`/proc/${child}/mem`, 'r'));
+    for (const o of others) mems.push(openSync(`/proc/${o}/mem`, 'r'));
+  } catch {
+    return null;
+  }
+  const page = (fd: number, addr: number, buf: Buffer) => {
+    try {
+      return readSync(fd, buf, 0, PAGE, addr) === PAGE;
+    } catch {
+      return false;
+    }
+  };
+  const mine = Buffer.alloc(PAGE);
+  const theirs = Buffer.alloc(PAGE);
+  let unique = 0;
+  try {
+    for (const line of readFileSync(`/proc/${child}/maps`, 'utf8').split('\n')) {
+      const f = line.split(/\s+/);
+      if (!f[1]?.includes('w') || f[5]?.startsWith('[v')) continue;
+      const [a, b] = f[0]!.split('-').map((x) => Number.parseInt(x, 16)) as [number, number];
+      const entries = Buffer.alloc(((b - a) / PAGE) * 8);
+      readSync(pm, entries, 0, entries.length, (a / PAGE) * 8);
+      for (let i = 0; i < (b - a) / PAGE; i++) {
+        const e = entries.readBigUInt64LE(i * 8);
+        if (!(e >> 63n) || !((e >> 56n) & 1n)) continue; // not present, or not exclusively ours
+        const addr = a + i * PAGE;
+        if (!page(mems[0]!, addr, mine)) continue;
+        if (!mems.slice(1).some((fd) => page(fd, addr, theirs) && theirs.equals(mine))) unique++;
+      }
+    }
+  } finally {
+    closeSync(pm);
+    for (const fd of mems) closeSync(fd);
+  }
+  return (unique * PAGE) / 1024;
 }
 
 const median = (xs: number[]) => {
@@ -61,6 +111,8 @@ interface Row {
   split: string;
   forkPrivKiB: number;
   forkPrivMaxKiB: number;
+  /** Median KiB no other process of the template has byte for byte (see uniqueKiB). */
+  uniqueKiB: number | null;
   coldMs?: number;
   coldPrivKiB?: number;
 }
@@ -89,8 +141,11 @@ try {
     const ls = engine.lastSpawn!;
     const split = `cgroups ${ls.cgroupsMs.toFixed(1)}, zygote reply ${ls.replyMs.toFixed(1)}, restored ${ls.readyMs.toFixed(1)}, child set-up median ${ls.childSetupMsMedian.toFixed(1)}`;
     const priv = await Promise.all(kids.map(async (k) => (await k.stats()).privateKiB));
+    const kidPids = kids.map((k) => (k as unknown as { hostPid: number }).hostPid);
+    const uniq = kidPids.slice(0, 5).map((p, i) => uniqueKiB(p, [zpid, kidPids[(i + 1) % kidPids.length]!].filter((x) => x !== p)));
     await Promise.all(kids.map((k) => k.kill()));
-    rows.push({ n, forkMs, split: `${split}\n      | ${cpu}`, forkPrivKiB: median(priv), forkPrivMaxKiB: Math.max(...priv) });
+    const u = uniq.every((x) => x !== null) ? median(uniq as number[]) : null;
+    rows.push({ n, forkMs, split: `${split}\n      | ${cpu}`, forkPrivKiB: median(priv), forkPrivMaxKiB: Math.max(...priv), uniqueKiB: u });
   }
   // The same with 100 spare forks kept ready per template (set up and listening in advance;
   // restored at hand-out): what a caller waits for when the pool is full.
@@ -132,6 +187,16 @@ try {
         `${r.coldMs === undefined ? '-' : `${(r.coldMs / r.forkMs).toFixed(1)}x`}`,
     );
   }
+  console.log('\nprivate KiB per child unlike the zygote\'s and a sibling\'s page (what KSM could not share; option ksm, host KSM running):');
+  for (const r of rows) console.log(`${String(r.n).padStart(5)} | ${r.uniqueKiB ?? 'not measured (needs root)'}`);
+  const ksmNow = (() => {
+    try {
+      return readFileSync('/sys/kernel/mm/ksm/run', 'utf8').trim();
+    } catch {
+      return 'absent';
+    }
+  })();
+  console.log(`KSM: ${KSM ? 'asked for' : 'not asked for (--ksm)'}, host /sys/kernel/mm/ksm/run = ${ksmNow}`);
   console.log('\nwith 100 spare forks waiting per template (option spares; each spare holds a child\'s memory):');
   for (const r of spareRows) console.log(`${String(r.n).padStart(5)} | all answered in ${r.ms.toFixed(1)} ms`);
   console.log('\nwhere the fork time went (ms from the fork call):');
