@@ -248,7 +248,11 @@ def _spawn(agent, children, branch):
         STATE['pidns_fd'] = os.open('/proc/self/ns/pid', os.O_RDONLY | os.O_CLOEXEC)
     pending = []
     results = {}
+    failed = None  # a fork failed (EAGAIN: pids limit, ENOMEM): it and the rest fail, the forked ones go on
     for ch in children:
+        if failed is not None:
+            results[ch['id']] = {'id': ch['id'], 'ok': False, 'error': 'not forked: %s' % failed}
+            continue
         sockdir = os.path.join(RUN, 'b' if branch else 's', ch['id'])
         try:
             os.makedirs(sockdir)
@@ -258,12 +262,20 @@ def _spawn(agent, children, branch):
         r, w = os.pipe()
         t0 = time.perf_counter()
         # The next child is PID 1 of a new pid namespace; undone right after the fork.
-        unshare(CLONE_NEWPID)
         try:
-            pid = os.fork()
-        except BaseException:
-            setns(STATE['pidns_fd'], CLONE_NEWPID)
-            raise
+            unshare(CLONE_NEWPID)
+            try:
+                pid = os.fork()
+            except BaseException:
+                setns(STATE['pidns_fd'], CLONE_NEWPID)
+                raise
+        except OSError as e:
+            os.close(r)
+            os.close(w)
+            os.rmdir(sockdir)
+            failed = 'fork: %s' % (e.strerror or e)
+            results[ch['id']] = {'id': ch['id'], 'ok': False, 'error': failed}
+            continue
         if pid != 0:
             setns(STATE['pidns_fd'], CLONE_NEWPID)
         else:

@@ -73,6 +73,52 @@ test('10 children in parallel each answer their own eval', async () => {
   await Promise.all(kids.map((k) => k.kill()));
 });
 
+test('a fork of 30 (sent to the zygote as two requests) gives 30 distinct children in order', async () => {
+  const kids = await engine.fork(TEMPLATE, 30);
+  assert.is(kids.length, 30);
+  assert.is(new Set(kids.map((k) => k.id)).size, 30);
+  assert.is(new Set(kids.map(hostPid)).size, 30);
+  const hosts = await Promise.all(kids.map((k) => val(k.agent, 'socket.gethostname()')));
+  assert.equal(hosts, kids.map((k) => k.id));
+  await Promise.all(kids.map((k) => k.kill()));
+});
+
+test('a fork request that hits the pids limit part-way: the forked children answer, the rest fail, nothing leaks', async () => {
+  const z = (engine as unknown as { zygotes: Map<string, { client: AgentClient; pid: number }> }).zygotes.get(TEMPLATE)!;
+  // 40 children at 5 tasks each, all in the zygote's cgroup (pids.max 64): some forks get EAGAIN.
+  const ids = Array.from({ length: 40 }, (_, i) => `pl${i}-${randomBytes(3).toString('hex')}`);
+  const res = await z.client.request('fork', { children: ids.map((id) => ({ id, hostname: id })) });
+  const ok = res.children.filter((c) => c.ok);
+  const bad = res.children.filter((c) => !c.ok);
+  assert.ok(ok.length > 0 && bad.length > 0, `forked ${ok.length}, failed ${bad.length}`);
+  for (const b of bad) assert.match(b.error ?? '', /Resource temporarily unavailable|not forked|can't start new thread/);
+  // every child reported forked is alive (listening); kill them
+  const nsToHost = new Map<number, number>();
+  for (const t of readdirSync(`/proc/${z.pid}/task`)) {
+    for (const k of readFileSync(`/proc/${z.pid}/task/${t}/children`, 'utf8').split(' ').filter(Boolean)) {
+      if (!alive(Number(k))) continue; // earlier tests' killed sandboxes, waiting for the zygote's reaper
+      const ns = /^NSpid:\s+(.*)$/m.exec(readFileSync(`/proc/${k}/status`, 'utf8'))![1]!.trim().split(/\s+/).map(Number);
+      nsToHost.set(ns[ns.length - 2]!, Number(k));
+    }
+  }
+  for (const c of ok) {
+    const p = nsToHost.get(c.pid!);
+    assert.ok(p !== undefined && alive(p), `child ${c.id} (pid ${c.pid} in the zygote) is alive`);
+    process.kill(p!, 'SIGKILL');
+  }
+  // the zygote's only live children are those: no half-made child was left behind
+  assert.is(nsToHost.size, ok.length);
+  // (zombies hold their pids until the zygote's reaper has them: wait for that before forking again)
+  for (const deadline = Date.now() + 10000; [...nsToHost.values()].some((p) => existsSync(`/proc/${p}`)); ) {
+    assert.ok(Date.now() < deadline, 'the zygote reaps the killed children');
+    await new Promise((r) => setTimeout(r, 50));
+  }
+  // and the template still forks
+  const [c] = await engine.fork(TEMPLATE, 1);
+  assert.is(await val(c!.agent, 'WARM["answer"]'), 42);
+  await c!.kill();
+});
+
 test('randomness differs in every child and from the template', async () => {
   const kids = await engine.fork(TEMPLATE, 4);
   const code = '(os.urandom(16).hex(), str(uuid.uuid4()), random.random(), TEMPLATE_RANDOM)';
