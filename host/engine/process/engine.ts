@@ -287,6 +287,9 @@ class ProcessSandbox implements Sandbox {
       }
       await new Promise((r) => setTimeout(r, wait));
     }
+    // A second lock where there is a freezer: a SIGCONT from a process that can still see it
+    // (the sandbox it was branched from, the zygote) does not thaw a frozen cgroup.
+    if (this.cgroup) this.owner.cgroups.freeze(this.cgroup, true);
     return true;
   }
 
