@@ -199,7 +199,7 @@ try {
   console.log(`KSM: ${KSM ? 'asked for' : 'not asked for (--ksm)'}, host /sys/kernel/mm/ksm/run = ${ksmNow}`);
   console.log('\nwith 100 spare forks waiting per template (option spares; each spare holds a child\'s memory):');
   for (const r of spareRows) console.log(`${String(r.n).padStart(5)} | all answered in ${r.ms.toFixed(1)} ms`);
-  console.log('\nwhere the fork time went (ms from the fork call):');
+  console.log('\nwhere the fork time went (ms from the fork call; for N > 25, the last of its requests to the zygote to finish):');
   for (const r of rows) console.log(`${String(r.n).padStart(5)} | ${r.split}`);
   console.log(`\nload average while measuring: ${(await import('node:os')).loadavg().map((x) => x.toFixed(2)).join(' ')} on ${(await import('node:os')).cpus().length} cores`);
   console.log('\ngoals: 100 children ready within 150 ms; under 512 KiB private per idle child; at least 50x faster than cold with numpy');
