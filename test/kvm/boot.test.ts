@@ -13,6 +13,7 @@ import { kernelCmdline } from '../../host/engine/kvm/cmdline.ts';
 import { KvmSandbox } from '../../host/engine/kvm/vm.ts';
 import { runCommand } from '../../host/cli/run.ts';
 import { loadImage } from '../../host/images.ts';
+import { labRetry as labRetryWith } from './lab-flake.ts';
 
 const engine = new KvmEngine();
 const T0 = performance.now();
@@ -41,17 +42,20 @@ const vmA = async () => {
   return a;
 };
 const rss0 = rssMiB();
+const labRetry = <T>(tag: string, fn: () => Promise<T>) => labRetryWith(tag, fn, progress);
 
 async function boot(tag: string, vcpus = 1, initOnFree = true): Promise<KvmSandbox> {
   const before = rssMiB();
   progress(`${tag}: booting`);
-  const sb = await engine.boot({
-    image: 'default',
-    readyTimeoutMs: READY_MS,
-    vcpus,
-    initOnFree,
-    onConsole: (l) => progress(`${tag} console: ${l}`),
-  });
+  const sb = await labRetry(tag, () =>
+    engine.boot({
+      image: 'default',
+      readyTimeoutMs: READY_MS,
+      vcpus,
+      initOnFree,
+      onConsole: (l) => progress(`${tag} console: ${l}`),
+    }),
+  );
   progress(`${tag}: ready; counters ${JSON.stringify((await sb.stats()).counters)}`);
   const st = await sb.stats();
   figures.push(
@@ -175,7 +179,9 @@ test('a guest that panics before its agent is ready gives an error with its last
   const t0 = performance.now();
   try {
     // No initramfs: the kernel finds no root and panics; panic=-1 resets at once.
-    await KvmSandbox.boot({ kernel: image.kernel, cmdline: kernelCmdline([]), memoryMiB: 256, vcpus: 1, readyTimeoutMs: READY_MS });
+    await labRetry('vm without initramfs', () =>
+      KvmSandbox.boot({ kernel: image.kernel, cmdline: kernelCmdline([]), memoryMiB: 256, vcpus: 1, readyTimeoutMs: READY_MS }),
+    );
   } catch (e) {
     msg = (e as Error).message;
   }

@@ -7,6 +7,7 @@ import * as assert from 'uvu/assert';
 import { suite } from 'uvu';
 import { Sandbox } from '../../host/index.ts';
 import { serve } from '../unit/server-harness.ts';
+import { labRetry } from './lab-flake.ts';
 
 const test = suite('server-kvm');
 
@@ -14,7 +15,7 @@ test('boot a microVM through forkling serve and use it through the SDK', async (
   const srv = await serve({ engine: 'kvm' });
   try {
     const t0 = performance.now();
-    const sb = await Sandbox.boot({ url: srv.url, image: 'default', timeoutMs: 600_000 });
+    const sb = await labRetry('server boot', () => Sandbox.boot({ url: srv.url, image: 'default', timeoutMs: 600_000 }));
     const bootMs = performance.now() - t0;
     const info = await sb.getInfo();
     assert.is(info.engine, 'kvm');
