@@ -33,7 +33,7 @@ export function kvmUsable(device?: string): { ok: boolean; why: string } {
 /** Resolves a choice to an engine name and the line to print. Throws when kvm is asked for and unusable. */
 export function resolveEngine(choice: EngineChoice, kvm: { ok: boolean; why: string } = kvmUsable()): EngineSelection {
   if (choice === 'kvm') {
-    if (!kvm.ok) throw new UserError(`the kvm engine cannot run: ${kvm.why}`, 'use --engine process (weaker isolation) or fix /dev/kvm');
+    if (!kvm.ok) throw new UserError(`the kvm engine cannot run: ${kvm.why}`, 'run `forkling doctor` to see what is missing and how to fix it, or use --engine process (weaker isolation)');
     return { name: 'kvm', line: 'forkling: engine kvm (chosen explicitly): sandboxes are microVMs' };
   }
   if (choice === 'process') {

@@ -43,7 +43,7 @@ export class KvmEngine implements Engine {
     const vcpus = opts.vcpus ?? 1;
     checkResources(memoryMiB, vcpus);
     const problem = kvmHostProblem();
-    if (problem) throw new UserError(problem, 'use --engine process here, or run the KVM tests in the lab (npm run test:kvm); FORKLING_ALLOW_PVM=1 tries anyway');
+    if (problem) throw new UserError(problem, 'run `forkling doctor` for this host; use --engine process here, or run the KVM tests in the lab (npm run test:kvm); FORKLING_ALLOW_PVM=1 tries anyway');
     const image = await ensureImage(opts.image);
     // The initramfs is unpacked into RAM (tmpfs, at most half of it) while its
     // compressed copy is still there; below this the guest panics with
@@ -85,7 +85,7 @@ export class KvmEngine implements Engine {
     const vcpus = opts.vcpus ?? 1;
     checkResources(memoryMiB, vcpus);
     const problem = kvmHostProblem();
-    if (problem) throw new UserError(problem, 'use --engine process here, or run the KVM tests in the lab (npm run test:kvm); FORKLING_ALLOW_PVM=1 tries anyway');
+    if (problem) throw new UserError(problem, 'run `forkling doctor` for this host; use --engine process here, or run the KVM tests in the lab (npm run test:kvm); FORKLING_ALLOW_PVM=1 tries anyway');
     return createKvmTemplate((o) => this.boot(o), { ...opts, memoryMiB, vcpus });
   }
 

@@ -1,0 +1,59 @@
+// `forkling doctor` tells the truth about this host: one line per check, the
+// engine `auto` would pick and why, and an exit code that says whether the
+// chosen engine can run. Commands that need KVM where it is unusable name it.
+import { spawnSync } from 'node:child_process';
+import { test } from 'uvu';
+import * as assert from 'uvu/assert';
+import { probeKvm } from '../../host/doctor/kvm-probe.ts';
+
+const env = { ...process.env };
+delete env.FORKLING_ENGINE;
+const cli = (...args: string[]) => spawnSync(process.execPath, ['bin/forkling.mjs', ...args], { encoding: 'utf8', env });
+
+interface Report {
+  ok: boolean;
+  engine: string;
+  engineReason: string;
+  checks: { name: string; status: string; detail: string; fix?: string }[];
+}
+
+test('doctor --json: every check, and the engine auto picks matches the KVM probe', () => {
+  const r = cli('doctor', '--json');
+  const rep = JSON.parse(r.stdout) as Report;
+  const names = rep.checks.map((c) => c.name);
+  for (const n of ['node', '/dev/kvm', 'host kernel', 'cgroups', 'user namespaces', 'userfaultfd', 'store space', 'image tools', 'lab tools']) {
+    assert.ok(names.includes(n), `missing check ${n}: ${names.join(', ')}`);
+  }
+  for (const c of rep.checks) {
+    assert.ok(['pass', 'warn', 'fail'].includes(c.status), c.name);
+    if (c.status === 'fail') assert.ok(c.fix, `a failing check says how to fix it: ${c.name}`);
+  }
+  const kvm = probeKvm();
+  assert.is(rep.engine, kvm.usable ? 'kvm' : 'process');
+  if (!kvm.usable) assert.match(rep.engineReason, kvm.reason);
+  assert.is(r.status, rep.ok ? 0 : 1);
+});
+
+test('doctor (text): one line per check, then the engine line', () => {
+  const r = cli('doctor');
+  const lines = r.stdout.split('\n').filter((l) => /^(pass|warn|FAIL)\s/.test(l));
+  assert.ok(lines.length >= 9, r.stdout);
+  assert.match(r.stdout, /\nengine/);
+});
+
+test('doctor --engine kvm fails where KVM cannot run; a bad engine is a clear error', () => {
+  if (!probeKvm().usable) {
+    const r = cli('doctor', '--engine', 'kvm');
+    assert.is(r.status, 1, r.stdout);
+    assert.match(r.stdout, 'engine kvm cannot run here');
+    const run = cli('run', 'default', '--engine', 'kvm', '--eval', '1');
+    assert.is.not(run.status, 0);
+    assert.match(run.stderr, 'forkling doctor');
+  }
+  const bad = cli('doctor', '--engine', 'qemu');
+  assert.is(bad.status, 2);
+  assert.match(bad.stderr, 'unknown engine');
+  assert.match(bad.stderr, 'fix:');
+});
+
+test.run();
