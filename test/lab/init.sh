@@ -8,6 +8,8 @@ export PATH=/bin
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
 mount -t devtmpfs devtmpfs /dev
+# Loopback: tests run servers on 127.0.0.1 inside the lab.
+ip link set lo up || ifconfig lo 127.0.0.1 up
 
 fail() {
 	echo "LAB-FAIL $*"
