@@ -23,6 +23,7 @@ import { UserError } from '../../host/errors.ts';
 import { ADDON_PATH } from '../../host/native.ts';
 import { storeRoot, writeFileAtomic } from '../../host/store.ts';
 import { distroKernel } from '../../images/kernel.ts';
+import { ensureImage } from '../../host/images.ts';
 import { LabConsole, type LabStage } from './console.ts';
 import { baseInitramfs, runInitrd } from './initramfs.ts';
 
@@ -80,6 +81,9 @@ async function main(startedAt: number): Promise<Summary> {
     throw new UserError(`the native addon is not built (${ADDON_PATH})`, 'run npm install (or npm run build:native) before the KVM lab');
   }
   const kernel = distroKernel();
+  // The lab has no network: the images its tests boot are built out here first.
+  const image = await ensureImage('default');
+  say(`image default: ${image.initramfs}`);
   mkdirSync(LAB_DIR, { recursive: true });
   const initramfs = baseInitramfs(LAB_DIR, kernel);
   say(
