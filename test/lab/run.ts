@@ -16,7 +16,7 @@
 // Writes <repo>/.lab/last-summary.json = {startedAt, passed, failed, failures}
 // and exits 0 only if every inner test passed.
 import { type ChildProcess, spawn } from 'node:child_process';
-import { existsSync, mkdirSync, realpathSync } from 'node:fs';
+import { existsSync, mkdirSync, readdirSync, realpathSync } from 'node:fs';
 import { dirname, join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { UserError } from '../../host/errors.ts';
@@ -38,6 +38,9 @@ interface Summary {
   failed: number;
   failures: string[];
 }
+
+/** Every console line of the current lab boot (to recover from a crash of the lab itself). */
+let consoleLog: string[] = [];
 
 function envInt(name: string, def: number, min: number): number {
   const v = process.env[name];
@@ -121,8 +124,10 @@ async function main(startedAt: number): Promise<Summary> {
     if (missing.size) say(`qemu: TCG does not emulate these CPU features of ${cpu} (harmless): ${[...missing].join(' ')}`);
     missing.clear();
   };
+  consoleLog = [];
   const con = new LabConsole((l) => {
     reportMissing();
+    consoleLog.push(l);
     say(l);
   });
   const child = spawn(QEMU, args, { stdio: ['pipe', 'pipe', 'pipe'] });
@@ -191,10 +196,70 @@ async function main(startedAt: number): Promise<Summary> {
   return s;
 }
 
+/**
+ * The lab's own kernel (not a nested guest) panicked: QEMU's emulated nested
+ * SVM has crashed it a few times in a vCPU thread of ours ("corrupted stack
+ * end detected inside scheduler", a stack guard page hit in error_entry).
+ */
+const labKernelPanicked = (lines: string[]) => lines.some((l) => /^\[\s*\d+\.\d+\] Kernel panic - not syncing/.test(l));
+
+/** Results of the test files that finished before the lab stopped, from their uvu summaries. */
+function finishedFiles(lines: string[]): Map<string, { total: number; passed: number }> {
+  const done = new Map<string, { total: number; passed: number }>();
+  let file: string | undefined;
+  let total: number | undefined;
+  for (const l of lines) {
+    const f = /^--- (test\/kvm\/\S+\.test\.ts) \(/.exec(l);
+    if (f) {
+      file = f[1];
+      total = undefined;
+      continue;
+    }
+    const t = /^\s*Total:\s+(\d+)\s*$/.exec(l);
+    if (t && file) total = Number(t[1]);
+    const p = /^\s*Passed:\s+(\d+)\s*$/.exec(l);
+    if (p && file && total !== undefined) {
+      done.set(file, { total, passed: Number(p[1]) });
+      file = undefined;
+    }
+  }
+  return done;
+}
+
+/**
+ * When the lab machine itself crashed, boot it once more for the test files
+ * that had not finished, and count the finished ones as they ended. Said
+ * loudly; a second crash fails the run.
+ */
+async function rerunAfterLabCrash(first: Summary, startedAt: number): Promise<Summary> {
+  if (first.failures.length !== 1 || !/^the lab machine stopped/.test(first.failures[0] ?? '') || !labKernelPanicked(consoleLog)) return first;
+  const done = finishedFiles(consoleLog);
+  const filter = process.env.FORKLING_TEST_FILTER ? new RegExp(process.env.FORKLING_TEST_FILTER) : null;
+  const all = readdirSync(join(REPO, 'test', 'kvm'))
+    .filter((f) => f.endsWith('.test.ts'))
+    .map((f) => `test/kvm/${f}`)
+    .filter((f) => !filter || filter.test(f));
+  const left = all.filter((f) => !done.has(f));
+  if (left.length === 0) return first;
+  say(`LAB CRASH: the lab's own kernel panicked; ${done.size} test files had finished; booting the lab once more for: ${left.join(' ')}`);
+  const escaped = left.map((f) => f.replace(/[.*+?^${}()|[\]\\/]/g, '\\$&'));
+  process.env.FORKLING_TEST_FILTER = `^(${escaped.join('|')})$`;
+  const second = await main(startedAt);
+  let passed = second.passed;
+  let failed = second.failed;
+  const failures = [...second.failures];
+  for (const [f, r] of done) {
+    passed += r.passed;
+    failed += r.total - r.passed;
+    if (r.total !== r.passed) failures.push(f);
+  }
+  return { startedAt, passed, failed, failures };
+}
+
 let summary: Summary;
 const startedAt = Date.now();
 try {
-  summary = await main(startedAt);
+  summary = await rerunAfterLabCrash(await main(startedAt), startedAt);
 } catch (e) {
   const msg = e instanceof UserError ? `${e.message}${e.hint ? ` (${e.hint})` : ''}` : e instanceof Error ? (e.stack ?? e.message) : String(e);
   say(`ERROR: ${msg}`);
