@@ -5,7 +5,7 @@
 // pending request rejects. Independent of engines.
 import { connect as netConnect } from 'node:net';
 import type { Duplex } from 'node:stream';
-import { decodeFrame, encodeFrame, FrameReader, lengthPrefix } from '../../protocol/codec.ts';
+import { concat, decodeFrame, encodeFrame, FrameReader, lengthPrefix } from '../../protocol/codec.ts';
 import {
   MAX_CHUNK,
   MAX_FRAME,
@@ -98,18 +98,6 @@ export interface AgentProcess {
 
 const te = new TextEncoder();
 const bytes = (d: Uint8Array | string) => (typeof d === 'string' ? te.encode(d) : d);
-
-function concat(parts: Uint8Array[]): Uint8Array {
-  let n = 0;
-  for (const p of parts) n += p.length;
-  const out = new Uint8Array(n);
-  let off = 0;
-  for (const p of parts) {
-    out.set(p, off);
-    off += p.length;
-  }
-  return out;
-}
 
 export class AgentClient {
   private readonly pending = new Map<number, Pending>();

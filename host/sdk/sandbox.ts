@@ -1,5 +1,6 @@
 // The SDK's Sandbox: one sandbox on a `forkling serve`, driven over the shared
 // WebSocket of its url+token. Browser-safe.
+import { concat } from '../../protocol/codec.ts';
 import { MAX_CHUNK } from '../../protocol/schema.ts';
 import type { SandboxInfo } from '../../protocol/server-ops.ts';
 import { Connection, type ConnectionOptions, type OpenRequest } from './connection.ts';
@@ -80,18 +81,6 @@ function toBytes(data: string | Uint8Array | ArrayBuffer): Uint8Array {
 
 function joinPath(dir: string, name: string): string {
   return dir.endsWith('/') ? `${dir}${name}` : `${dir}/${name}`;
-}
-
-function concat(parts: Uint8Array[]): Uint8Array {
-  let n = 0;
-  for (const p of parts) n += p.length;
-  const out = new Uint8Array(n);
-  let off = 0;
-  for (const p of parts) {
-    out.set(p, off);
-    off += p.length;
-  }
-  return out;
 }
 
 /** Decodes a byte stream's chunks as UTF-8 without splitting characters. */
