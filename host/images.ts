@@ -2,12 +2,12 @@
 // first use, list, verify, remove. Building itself lives in images/build.ts.
 import { existsSync, readdirSync, readFileSync, renameSync, rmSync } from 'node:fs';
 import { join } from 'node:path';
-import { type BuildOptions, buildImage, imageDir, imagesDir, sha256File } from '../images/build.ts';
+import { agentDiffers, type BuildOptions, buildImage, DEFAULT_AGENT, imageDir, imagesDir, readAgent, sha256File } from '../images/build.ts';
 import { type ImageManifest, parseManifest } from '../images/manifest.ts';
 import { checkName, UserError } from './errors.ts';
 
-export type { ImageManifest } from '../images/manifest.ts';
 export type { BuildOptions, BuildStep } from '../images/build.ts';
+export type { ImageManifest } from '../images/manifest.ts';
 
 export const DEFAULT_IMAGE = 'default';
 
@@ -56,13 +56,24 @@ export function loadImage(name: string): ImageInfo {
 
 const inFlight = new Map<string, Promise<ImageInfo>>();
 
+/** True when `default` must be (re)built: missing, or holding another agent than guest-agent/ (the image bakes it in). */
+function defaultNeedsBuild(): boolean {
+  if (!imageExists(DEFAULT_IMAGE)) return true;
+  try {
+    return agentDiffers(loadImage(DEFAULT_IMAGE).manifest, readAgent(DEFAULT_AGENT));
+  } catch {
+    return false; // a damaged image: loadImage reports it to the caller
+  }
+}
+
 /**
- * The image `name`, built first when it is `default` and missing (concurrent
- * callers, in this process or others, share one build). Other names must have
- * been built with `forkling image build`.
+ * The image `name`, built first when it is `default` and missing or built
+ * with another agent than this checkout's (concurrent callers, in this
+ * process or others, share one build). Other names must have been built with
+ * `forkling image build`.
  */
 export function ensureImage(name = DEFAULT_IMAGE, opts: Pick<BuildOptions, 'onProgress'> = {}): Promise<ImageInfo> {
-  if (imageExists(name) || name !== DEFAULT_IMAGE) return Promise.resolve().then(() => loadImage(name));
+  if (name !== DEFAULT_IMAGE || !defaultNeedsBuild()) return Promise.resolve().then(() => loadImage(name));
   let p = inFlight.get(name);
   if (!p) {
     p = buildImage({ name, ifMissing: true, ...opts })

@@ -37,7 +37,7 @@ export interface BuildOptions {
   /** the agent to install as /init (default guest-agent/forkling_agent.py) */
   agentPath?: string;
   onProgress?: (step: BuildStep, detail: string) => void;
-  /** build only when the image does not exist yet (checked under the build lock) */
+  /** build only when the image does not exist yet or holds another agent than `agentPath` (checked under the build lock) */
   ifMissing?: boolean;
 }
 
@@ -82,6 +82,22 @@ export function readAgent(path: string): AgentFiles {
     if (f.endsWith('.py') && f !== basename(path) && !f.startsWith('test_')) helpers.set(f, readFileSync(join(dir, f)));
   }
   return { text, version: m?.[1] ?? null, sha256: createHash('sha256').update(text).digest('hex'), helpers };
+}
+
+/** The manifest's record of an agent: its sha256 and its helpers' (guest path -> sha256). */
+function agentDigest(agent: AgentFiles): Pick<ImageManifest['agent'], 'sha256' | 'helpers'> {
+  return {
+    sha256: agent.sha256,
+    helpers: Object.fromEntries([...agent.helpers].map(([f, d]) => [`/${AGENT_HELPERS_DIR}/${f}`, createHash('sha256').update(d).digest('hex')])),
+  };
+}
+
+/** True when the image was built with another agent than `agent` (an older guest-agent/, say). */
+export function agentDiffers(m: ImageManifest, agent: AgentFiles): boolean {
+  const want = agentDigest(agent);
+  const same = (a: Record<string, string>, b: Record<string, string>) =>
+    Object.keys(a).length === Object.keys(b).length && Object.entries(a).every(([k, v]) => b[k] === v);
+  return m.agent.sha256 !== want.sha256 || !same(m.agent.helpers, want.helpers);
 }
 
 interface KernelChoice {
@@ -230,7 +246,11 @@ export async function buildImage(o: BuildOptions): Promise<ImageManifest> {
     async () => {
       removeStale(imagesDir());
       const existing = join(imageDir(o.name), 'manifest.json');
-      if (o.ifMissing && existsSync(existing)) return parseManifest(readFileSync(existing, 'utf8'), existing);
+      if (o.ifMissing && existsSync(existing)) {
+        const m = parseManifest(readFileSync(existing, 'utf8'), existing);
+        if (!agentDiffers(m, agent)) return m;
+        progress('note', `image ${o.name} holds another agent than ${o.agentPath ?? DEFAULT_AGENT}: rebuilding it`);
+      }
       progress('resolve', 'refreshing package lists');
       const ctx = aptContext(cacheRoot());
       const { offline } = await refreshLists(ctx, (msg) => progress('note', msg));
@@ -298,8 +318,7 @@ export async function buildImage(o: BuildOptions): Promise<ImageManifest> {
             agent: {
               path: '/init',
               version: agent.version,
-              sha256: agent.sha256,
-              helpers: Object.fromEntries([...agent.helpers].map(([f, d]) => [`/${AGENT_HELPERS_DIR}/${f}`, createHash('sha256').update(d).digest('hex')])),
+              ...agentDigest(agent),
             },
             initramfs: { file: initramfsFile, compression: kernel.compression, cpioSha256: packed.cpioSha256, cpioBytes: packed.cpioBytes, entries: packed.entries },
             rootfs: { dir: 'rootfs', bytes: packed.dataBytes, entries: packed.entries },

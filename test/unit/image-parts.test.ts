@@ -1,16 +1,18 @@
 // Image builder parts without network or packages: the deterministic cpio
 // writer (checked against GNU cpio), compression, kernel file recognition.
 import { execFileSync } from 'node:child_process';
-import { linkSync, lstatSync, mkdirSync, mkdtempSync, readFileSync, readlinkSync, rmSync, symlinkSync, utimesSync, writeFileSync, chmodSync, chownSync, lutimesSync } from 'node:fs';
+import { createHash } from 'node:crypto';
+import { chmodSync, chownSync, linkSync, lstatSync, lutimesSync, mkdirSync, mkdtempSync, readFileSync, readlinkSync, rmSync, symlinkSync, utimesSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { gunzipSync } from 'node:zlib';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import { UserError } from '../../host/errors.ts';
-import { pack } from '../../images/build.ts';
+import { agentDiffers, pack, readAgent } from '../../images/build.ts';
 import { listCpio, writeCpio } from '../../images/cpio.ts';
 import { inspectKernelFile } from '../../images/kernelfile.ts';
+import type { ImageManifest } from '../../images/manifest.ts';
 
 const dir = mkdtempSync(join(tmpdir(), 'forkling-image-parts-'));
 const isRoot = process.getuid?.() === 0;
@@ -134,6 +136,22 @@ function fakeElf(machine: number, banner: string): Buffer {
   b.write(`${banner}\0`, 0x800, 'latin1');
   return b;
 }
+
+test('agentDiffers: an image built with another agent or other helper modules is told apart', () => {
+  const a = join(dir, 'agent-a');
+  mkdirSync(a);
+  writeFileSync(join(a, 'forkling_agent.py'), 'AGENT_VERSION = "1"\n');
+  writeFileSync(join(a, 'forkling_zygote.py'), 'Z = 1\n');
+  const agent = readAgent(join(a, 'forkling_agent.py'));
+  const sha = (t: string) => createHash('sha256').update(t).digest('hex');
+  const helperPath = '/usr/lib/python3/dist-packages/forkling_zygote.py';
+  const built = (sha256: string, helpers: Record<string, string>) => ({ agent: { path: '/init', version: '1', sha256, helpers } }) as unknown as ImageManifest;
+  assert.is(agentDiffers(built(agent.sha256, { [helperPath]: sha('Z = 1\n') }), agent), false, 'same files');
+  assert.is(agentDiffers(built(sha('old agent'), { [helperPath]: sha('Z = 1\n') }), agent), true, 'agent changed');
+  assert.is(agentDiffers(built(agent.sha256, { [helperPath]: sha('Z = 0\n') }), agent), true, 'helper changed');
+  assert.is(agentDiffers(built(agent.sha256, {}), agent), true, 'helper added since');
+  assert.is(agentDiffers(built(agent.sha256, { [helperPath]: sha('Z = 1\n'), '/usr/lib/python3/dist-packages/gone.py': sha('') }), agent), true, 'helper removed since');
+});
 
 test('kernel files: bzImage and x86-64 vmlinux accepted, anything else refused', () => {
   const p = (n: string, data: Buffer | string): string => {
