@@ -64,6 +64,7 @@ SEND_TIMEOUT_S = 60  # a send blocked this long (client not reading) closes the 
 VALUE_MAX_ITEMS = 100000
 VALUE_MAX_BYTES = 2 << 20  # str characters (up to 4 bytes each) + bytes in a value
 RNDADDENTROPY = 0x40085203  # _IOW('R', 0x03, int[2])
+RNDRESEEDCRNG = 0x5207  # _IO('R', 0x07): reseed the kernel's CRNG from its input pool now
 
 
 def log(msg):
@@ -1528,6 +1529,10 @@ def op_restore(agent, conn, f):
             if agent.random_fd is None:
                 agent.random_fd = os.open('/dev/random', os.O_WRONLY | os.O_CLOEXEC)
             fcntl.ioctl(agent.random_fd, RNDADDENTROPY, struct.pack('ii', len(entropy) * 8, len(entropy)) + entropy)
+            # Credited entropy alone does not reseed an initialised CRNG (it
+            # reseeds on a timer), so a VM restored from a snapshot would hand
+            # every sibling the same os.urandom bytes until then: reseed now.
+            fcntl.ioctl(agent.random_fd, RNDRESEEDCRNG)
             res['entropy'] = {'added': True, 'bytes': len(entropy)}
         except OSError as e:
             res['entropy'] = {'added': False, 'bytes': 0, 'reason': 'RNDADDENTROPY: %s' % (e.strerror or e)}
