@@ -22,6 +22,7 @@ async function restoreAgent(sb: KvmSandbox, timeoutMs: number): Promise<AgentCli
   let delay = 1;
   let last = '';
   for (;;) {
+    sb.throwIfStopped();
     const left = deadline - performance.now();
     if (left <= 0) throw new Error(`child ${sb.id}: its agent did not answer within ${timeoutMs} ms (${last})`);
     try {
@@ -50,6 +51,8 @@ async function restoreAgent(sb: KvmSandbox, timeoutMs: number): Promise<AgentCli
       }
       return client;
     } catch (e) {
+      // A child whose VM stopped has no socket any more: say why it stopped, not ENOENT.
+      sb.throwIfStopped();
       if (e instanceof VsockConnectError && !e.retryable) throw e;
       last = (e as Error).message;
     }

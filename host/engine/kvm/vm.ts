@@ -179,6 +179,19 @@ export class KvmSandbox implements Sandbox {
     return l.length ? `\nlast console lines:\n  ${l.join('\n  ')}` : '\n(the guest printed nothing)';
   }
 
+  /** The error for a VM that stopped before its agent was ready: why, and its last console lines. */
+  private stoppedBeforeReady(info: ExitInfo): UserError {
+    return new UserError(
+      `the VM ${this.id} stopped before its agent was ready (${info.reason}${info.message ? `: ${info.message}` : ''})${this.lastLines()}`,
+      'see the console lines above; forkling run --console shows the whole boot',
+    );
+  }
+
+  /** Throws stoppedBeforeReady() if the VM has already stopped (fork.ts checks it while it restores a child). */
+  throwIfStopped(): void {
+    if (this.exitInfo) throw this.stoppedBeforeReady(this.exitInfo);
+  }
+
   private async waitReady(timeoutMs: number): Promise<void> {
     const deadline = performance.now() + timeoutMs;
     let stopped: ExitInfo | null = null;
@@ -190,13 +203,7 @@ export class KvmSandbox implements Sandbox {
     let lastError = '';
     try {
       while (true) {
-        if (stopped || this.exitInfo) {
-          const info = (stopped ?? this.exitInfo) as ExitInfo;
-          throw new UserError(
-            `the VM stopped before its agent was ready (${info.reason}${info.message ? `: ${info.message}` : ''})${this.lastLines()}`,
-            'see the console lines above; forkling run --console shows the whole boot',
-          );
-        }
+        if (stopped || this.exitInfo) throw this.stoppedBeforeReady((stopped ?? this.exitInfo) as ExitInfo);
         const left = deadline - performance.now();
         if (left <= 0) {
           const regs = this.vm?.debugState() ?? '';
