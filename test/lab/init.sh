@@ -18,7 +18,7 @@ fail() {
 }
 
 # Per-run settings (LAB_REPO, LAB_NODE, LAB_PATH, LAB_STORE, LAB_CI, LAB_FILTER,
-# LAB_INNER_TIMEOUT), appended to the initramfs by the host.
+# LAB_COMMAND, LAB_INNER_TIMEOUT), appended to the initramfs by the host.
 [ -f /lab.env ] || fail "/lab.env missing from the initramfs"
 . /lab.env
 echo "LAB-STAGE kernel-up $(cut -d' ' -f1 /proc/uptime)"
@@ -77,7 +77,14 @@ echo "LAB-NODE-START $(cut -d' ' -f1 /proc/uptime)"
 timeout -s KILL "$LAB_INNER_TIMEOUT" chroot /host /usr/bin/env -i \
 	PATH="$LAB_PATH" HOME=/tmp TMPDIR=/tmp TERM=dumb LANG=C.UTF-8 \
 	CI="$LAB_CI" FORKLING_HOME="$STORE" FORKLING_TEST_FILTER="$LAB_FILTER" FORKLING_IN_LAB=1 \
-	/bin/sh -c 'cd "$1" && exec "$2" test/run.mjs kvm-direct' lab "$LAB_REPO" "$LAB_NODE" </dev/null
+	LAB_COMMAND="$LAB_COMMAND" /bin/sh -c '
+		cd "$1" || exit 1
+		[ -z "$LAB_COMMAND" ] && exec "$2" test/run.mjs kvm-direct
+		# A command instead of the suite (a benchmark): its exit status is the result.
+		/bin/sh -c "$LAB_COMMAND"
+		c=$?
+		if [ "$c" = 0 ]; then echo "1 passed, 0 failed"; else echo "0 passed, 1 failed"; fi
+		exit "$c"' lab "$LAB_REPO" "$LAB_NODE" </dev/null
 code=$?
 [ "$code" = 137 ] && echo "LAB-TIMEOUT the inner suite ran past ${LAB_INNER_TIMEOUT}s and was killed"
 echo "LAB-EXIT $code $(cut -d' ' -f1 /proc/uptime)"

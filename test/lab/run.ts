@@ -13,6 +13,8 @@
 //   FORKLING_LAB_BUSYBOX    static busybox to use (default /bin/busybox)
 //   FORKLING_HOME           the store; mounted inside (writes go to an overlay in the lab's RAM)
 //   FORKLING_TEST_FILTER, CI  passed to the inner suite
+//   FORKLING_LAB_COMMAND    a shell command to run in the checkout instead of the suite, e.g.
+//                           'npx tsx bench/kvm-fork.ts --guest linux' (its exit status is the result)
 // Writes <repo>/.lab/last-summary.json = {startedAt, passed, failed, failures}
 // and exits 0 only if every inner test passed.
 import { type ChildProcess, spawn } from 'node:child_process';
@@ -103,6 +105,7 @@ async function main(startedAt: number): Promise<Summary> {
     LAB_STORE: store,
     LAB_CI: process.env.CI ?? '',
     LAB_FILTER: process.env.FORKLING_TEST_FILTER ?? '',
+    LAB_COMMAND: process.env.FORKLING_LAB_COMMAND ?? '',
     // The inner watchdog fires first so that the kernel log still gets printed.
     LAB_INNER_TIMEOUT: String(Math.max(20, timeoutS - 60)),
   });
