@@ -16,7 +16,7 @@
 // private guest pages, thread stacks, device buffers, heap) plus the
 // kernel's page tables for guests (SecPageTables) and slab (KVM's vCPU and
 // VM structures among others; system-wide, so other activity adds noise).
-import { mkdirSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { parseArgs } from 'node:util';
@@ -24,6 +24,7 @@ import { quantile } from '../host/cli/fork.ts';
 import type { NativePreparedVm, NativeSnapshot, NativeVm } from '../host/engine/kvm/native-vm.ts';
 import { nativeVmClass } from '../host/engine/kvm/native-vm.ts';
 import { snapshotNative } from '../host/engine/kvm/snapshot-native.ts';
+import { labRetry } from '../test/kvm/lab-flake.ts';
 import { counterOf, DIRTY_MEMORY_MIB, writeTinyGuest } from '../test/kvm/tiny-guest.ts';
 
 const { values } = parseArgs({
@@ -54,9 +55,16 @@ interface Row {
   note: string;
 }
 const rows: Row[] = [];
+/** What kind of KVM the figures come from: they mean very different things. */
+function whereMeasured(): string {
+  if (process.env.FORKLING_IN_LAB) return 'inside the QEMU lab (TCG with emulated SVM): times are meaningless, page counts hold';
+  if (existsSync('/sys/module/kvm_pvm')) return "this host's /dev/kvm is kvm_pvm (software nested virtualisation): times are not those of hardware KVM";
+  return 'hardware KVM (kvm_intel / kvm_amd)';
+}
+
 function print(header: string): void {
   console.log(`\n${header}`);
-  console.log('  (host: nested virtualisation; this machine\'s /dev/kvm is the kvm_pvm module: guests run under a software MMU, so figures are not those of bare-metal KVM)');
+  console.log(`  (${whereMeasured()})`);
   const head = ['case', 'all ready ms', 'child p50 ms', 'child p99 ms', 'create+restore ms/child (wall/N)', 'guest private KiB/child', 'host KiB/child', 'note'];
   const table = [head, ...rows.map((r) => [r.what, f(r.readyMs), f(r.p50, 2), f(r.p99, 2), f(r.createMs, 2), f(r.privKiB), f(r.hostKiB), r.note])];
   const w = head.map((_, i) => Math.max(...table.map((t) => t[i]!.length)));
@@ -226,12 +234,12 @@ async function linux(): Promise<void> {
   const name = `bench-${process.pid}`;
   try {
     const t0 = performance.now();
-    const cold = await engine.boot({ image: values.image! });
+    const cold = await labRetry('cold boot', () => engine.boot({ image: values.image! }));
     await cold.agent.eval('1');
     const coldMs = performance.now() - t0;
     rows.push({ what: 'cold boot', readyMs: coldMs, p50: coldMs, p99: coldMs, createMs: NaN, privKiB: (await cold.stats()).privateKiB, hostKiB: NaN, note: 'boot to first eval answer' });
     await cold.kill();
-    await engine.createTemplate({ name, image: values.image!, warmup: 'import json, random, uuid' });
+    await labRetry('template boot', () => engine.createTemplate({ name, image: values.image!, warmup: 'import json, random, uuid' }));
     for (const n of SIZES) {
       const before = hostMemory();
       const t = performance.now();
@@ -241,6 +249,9 @@ async function linux(): Promise<void> {
       const after = hostMemory();
       const ready = kids.map((k) => k.timings.readyAt - k.timings.startedAt);
       const priv = await Promise.all(kids.map(async (k) => (await k.stats()).privateKiB));
+      // The same children idle a while later (the guest kernel's timers, the agent's threads).
+      await new Promise((r) => setTimeout(r, 2000));
+      const idle = await Promise.all(kids.map(async (k) => (await k.stats()).privateKiB));
       rows.push({
         what: `fork N=${n}`,
         readyMs: all,
@@ -249,7 +260,7 @@ async function linux(): Promise<void> {
         createMs: NaN,
         privKiB: priv.reduce((a, b) => a + b, 0) / n,
         hostKiB: (after.anon - before.anon + after.secPageTables - before.secPageTables + after.slab - before.slab) / n,
-        note: 'ready = agent restore answered; all = first eval answered',
+        note: `ready = agent restore answered; all = first eval answered; private 2 s later ${f(idle.reduce((a, b) => a + b, 0) / n)} KiB`,
       });
       await Promise.all(kids.map((k) => k.kill()));
     }

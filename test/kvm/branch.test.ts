@@ -8,13 +8,14 @@ import * as assert from 'uvu/assert';
 import { KvmEngine } from '../../host/engine/kvm/engine.ts';
 import { templateDir } from '../../host/engine/kvm/template.ts';
 import type { KvmSandbox } from '../../host/engine/kvm/vm.ts';
+import { labRetry } from './lab-flake.ts';
 
 const engine = new KvmEngine();
 const NAME = `test-branch-${process.pid}`;
 const alive: KvmSandbox[] = [];
 
 test.before(async () => {
-  await engine.createTemplate({ name: NAME, image: 'default', warmup: 'BASE = "template"' });
+  await labRetry('template boot', () => engine.createTemplate({ name: NAME, image: 'default', warmup: 'BASE = "template"' }));
 });
 
 test('a BRANCH child sees variables and RAM files set after the template; the source goes on', async () => {

@@ -10,6 +10,7 @@ import * as assert from 'uvu/assert';
 import type { TemplateInfo } from '../../host/engine/engine.ts';
 import { KvmEngine } from '../../host/engine/kvm/engine.ts';
 import { MEMORY_FILE, STATE_FILE, templateDir } from '../../host/engine/kvm/template.ts';
+import { labRetry } from './lab-flake.ts';
 
 const engine = new KvmEngine();
 const NAME = `test-fork-${process.pid}`;
@@ -31,7 +32,7 @@ function mappingsOf(path: string): number {
 }
 
 test.before(async () => {
-  info = await engine.createTemplate({ name: NAME, image: 'default', warmup: WARMUP });
+  info = await labRetry('template boot', () => engine.createTemplate({ name: NAME, image: 'default', warmup: WARMUP }));
 });
 
 test('the warm-up state is in every child; children are ready after restore', async () => {
