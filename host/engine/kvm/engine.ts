@@ -1,9 +1,11 @@
 // The KVM engine: every sandbox is a microVM in this process (native/src/vmm),
 // booted from an image's kernel and initramfs; the agent is reached over
 // virtio-vsock. Templates, fork and branch are part 2 (issue 6).
-import { UserError } from '../../errors.ts';
+import { resolve } from 'node:path';
+import { inspectKernelFile } from '../../../images/kernelfile.ts';
 import { kvmHostProblem } from '../../doctor/kvm-probe.ts';
-import { ensureImage } from '../../images.ts';
+import { UserError } from '../../errors.ts';
+import { ensureImage, type ImageInfo } from '../../images.ts';
 import type { BootOptions, Engine, Sandbox, TemplateInfo, TemplateOptions } from '../engine.ts';
 import { type BranchFigures, branchChildren } from './branch.ts';
 import { kernelCmdline } from './cmdline.ts';
@@ -22,6 +24,32 @@ export interface KvmBootOptions extends BootOptions {
   kernelArgs?: string[];
   /** init_on_free=1 (default true): see cmdline.ts for what it costs. */
   initOnFree?: boolean;
+  /**
+   * Boot this kernel file (a bzImage or an x86-64 vmlinux ELF) instead of the
+   * image's own, with the image's initramfs and command line. It must be the
+   * release the image's modules are for (e.g. images/vmlinux.ts's vmlinux of
+   * the image's bzImage).
+   */
+  kernel?: string;
+}
+
+/** The kernel to boot for `image`: its own, or `override` once checked against the image's modules. */
+export function kernelForImage(
+  image: Pick<ImageInfo, 'name' | 'kernel'> & { manifest: { kernel: { release: string | null }; modules: readonly unknown[] } },
+  override?: string,
+): string {
+  if (override === undefined) return image.kernel;
+  const path = resolve(override);
+  const info = inspectKernelFile(path);
+  const want = image.manifest.kernel.release;
+  // The image's initramfs carries modules (virtio, vsock) for one release only.
+  if (want && info.release !== want && image.manifest.modules.length > 0) {
+    throw new UserError(
+      `kernel ${path} is ${info.release ? `release ${info.release}` : 'of an unknown release'}, but image ${image.name}'s modules are for ${want}`,
+      `boot a ${want} kernel with it, or build an image for this one: forkling image build <name> --kernel ${path}`,
+    );
+  }
+  return path;
 }
 
 function checkResources(memoryMiB: number, vcpus: number): void {
@@ -62,7 +90,7 @@ export class KvmEngine implements Engine {
       extra: opts.kernelArgs,
     });
     const sb = await KvmSandbox.boot({
-      kernel: image.kernel,
+      kernel: kernelForImage(image, opts.kernel),
       initrd: image.initramfs,
       cmdline,
       memoryMiB,
