@@ -234,11 +234,15 @@ function finishedFiles(lines: string[]): Map<string, { total: number; passed: nu
 
 /**
  * When the lab machine itself crashed, boot it once more for the test files
- * that had not finished, and count the finished ones as they ended. Said
- * loudly; a second crash fails the run.
+ * that had not finished (or the whole FORKLING_LAB_COMMAND), and count the
+ * finished ones as they ended. Said loudly; a second crash fails the run.
  */
 async function rerunAfterLabCrash(first: Summary, startedAt: number): Promise<Summary> {
   if (first.failures.length !== 1 || !/^the lab machine stopped/.test(first.failures[0] ?? '') || !labKernelPanicked(consoleLog)) return first;
+  if (process.env.FORKLING_LAB_COMMAND) {
+    say('LAB CRASH: the lab\'s own kernel panicked; booting the lab once more for the command');
+    return main(startedAt);
+  }
   const done = finishedFiles(consoleLog);
   const filter = process.env.FORKLING_TEST_FILTER ? new RegExp(process.env.FORKLING_TEST_FILTER) : null;
   const all = readdirSync(join(REPO, 'test', 'kvm'))
