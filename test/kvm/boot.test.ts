@@ -8,10 +8,10 @@ import { createHash, randomBytes } from 'node:crypto';
 import { appendFileSync } from 'node:fs';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
-import { KvmEngine } from '../../host/engine/kvm/engine.ts';
-import { kernelCmdline } from '../../host/engine/kvm/cmdline.ts';
-import { KvmSandbox } from '../../host/engine/kvm/vm.ts';
 import { runCommand } from '../../host/cli/run.ts';
+import { kernelCmdline } from '../../host/engine/kvm/cmdline.ts';
+import { KvmEngine } from '../../host/engine/kvm/engine.ts';
+import { KvmSandbox } from '../../host/engine/kvm/vm.ts';
 import { loadImage } from '../../host/images.ts';
 import { labRetry as labRetryWith } from './lab-flake.ts';
 

@@ -17,6 +17,9 @@ const NAME = `test-fork-${process.pid}`;
 const WARMUP = 'import os, random, uuid, time\nWARM = "warm-" + str(6 * 7)\nrandom.seed(1234)\nTEMPLATE_FIRST = random.random()';
 let info: TemplateInfo;
 
+/** A fork of the test template; in the lab a child's early triple fault is retried once (lab-flake.ts). */
+const fork = (n: number) => labRetry(`fork of ${n}`, () => engine.fork(NAME, n));
+
 async function rejects(p: () => Promise<unknown>, match: RegExp): Promise<void> {
   try {
     await p();
@@ -36,7 +39,7 @@ test.before(async () => {
 });
 
 test('the warm-up state is in every child; children are ready after restore', async () => {
-  const kids = await engine.fork(NAME, 3);
+  const kids = await fork(3);
   try {
     for (const k of kids) {
       assert.ok(k.timings.readyAt > k.timings.startedAt);
@@ -51,7 +54,7 @@ test('the warm-up state is in every child; children are ready after restore', as
 });
 
 test('10 children in parallel each answer their own eval', async () => {
-  const kids = await engine.fork(NAME, 10);
+  const kids = await fork(10);
   try {
     const answers = await Promise.all(kids.map((k, i) => k.agent.eval(`${i} * 1000 + 7`)));
     assert.equal(answers.map((a) => a.value), kids.map((_, i) => i * 1000 + 7));
@@ -63,7 +66,7 @@ test('10 children in parallel each answer their own eval', async () => {
 test('os.urandom, uuid4 and random.random differ in every child and from the template', async () => {
   // What the template itself would draw next from its seeded generator.
   const templateNext = Number(execFileSync('/usr/bin/python3', ['-c', 'import random; random.seed(1234); random.random(); print(repr(random.random()))']).toString().trim());
-  const kids = await engine.fork(NAME, 5);
+  const kids = await fork(5);
   try {
     const draws = await Promise.all(kids.map((k) => k.agent.eval('(os.urandom(16).hex(), str(uuid.uuid4()), random.random())')));
     const vals = draws.map((d) => d.value as [string, string, number]);
@@ -78,7 +81,7 @@ test('time.time() in a child of a template made a while ago is within 1 s of the
   // The template's clock stopped when it was saved; make sure it is old.
   const age = Date.now() - Date.parse(info.createdAt);
   if (age < 3000) await new Promise((r) => setTimeout(r, 3000 - age));
-  const [k] = await engine.fork(NAME, 1);
+  const [k] = await fork(1);
   try {
     const r = await k!.agent.eval('time.time()');
     const host = Date.now() / 1000;
@@ -89,7 +92,7 @@ test('time.time() in a child of a template made a while ago is within 1 s of the
 });
 
 test('a file written in one child is absent in its siblings', async () => {
-  const [a, b] = await engine.fork(NAME, 2);
+  const [a, b] = await fork(2);
   try {
     await a!.agent.writeFile('/tmp/only-in-a', 'a');
     assert.is((await a!.agent.request('files.exists', { path: '/tmp/only-in-a' })).exists, true);
@@ -103,7 +106,7 @@ test('a file written in one child is absent in its siblings', async () => {
 
 test('children own few pages while alive; killing them frees their memory', async () => {
   const mem = join(templateDir(NAME), MEMORY_FILE);
-  const kids = await engine.fork(NAME, 3);
+  const kids = await fork(3);
   const stats = await Promise.all(kids.map((k) => k.stats()));
   for (const s of stats) assert.ok(s.privateKiB > 0 && s.privateKiB < 64 * 1024, `${s.privateKiB} KiB private`);
   console.log(`    private memory per idle child: ${stats.map((s) => s.privateKiB).join(', ')} KiB`);

@@ -3,8 +3,8 @@
 // trip), killed, and the server drains and exits cleanly. Needs /dev/kvm and
 // the default image.
 import { createHash, randomBytes } from 'node:crypto';
-import * as assert from 'uvu/assert';
 import { suite } from 'uvu';
+import * as assert from 'uvu/assert';
 import { Sandbox } from '../../host/index.ts';
 import { serve } from '../unit/server-harness.ts';
 import { labRetry } from './lab-flake.ts';

@@ -5,12 +5,12 @@
 // `restore` (fresh entropy, wall clock, hostname, sandbox id) before anything
 // else; the child is ready when that call returns.
 import { randomBytes } from 'node:crypto';
-import { AgentClient } from '../../agent/client.ts';
+import type { AgentClient } from '../../agent/client.ts';
 import { UserError } from '../../errors.ts';
 import type { NativeSnapshot } from './native-vm.ts';
 import { snapshotNative } from './snapshot-native.ts';
 import { AGENT_PORT, KvmSandbox, vsockPathFor } from './vm.ts';
-import { VsockConnectError, vsockConnect } from './vsock.ts';
+import { connectAgent, VsockConnectError } from './vsock.ts';
 
 export const MAX_CHILDREN = 1024;
 /** A restored guest answers within milliseconds; this bounds a broken one. */
@@ -26,11 +26,7 @@ async function restoreAgent(sb: KvmSandbox, timeoutMs: number): Promise<AgentCli
     const left = deadline - performance.now();
     if (left <= 0) throw new Error(`child ${sb.id}: its agent did not answer within ${timeoutMs} ms (${last})`);
     try {
-      const sock = await vsockConnect(sb.vsockPath, AGENT_PORT, Math.min(left, 5000));
-      sock.setNoDelay?.(true);
-      const client = new AgentClient(sock);
-      // vsockConnect hands the socket over paused (no byte after its OK line lost).
-      sock.resume();
+      const client = await connectAgent(sb.vsockPath, AGENT_PORT, Math.min(left, 5000));
       // A restored agent answers at once; one that does not must not stall the fork past its limit.
       let timer: NodeJS.Timeout | undefined;
       try {

@@ -6,11 +6,11 @@ import { randomBytes } from 'node:crypto';
 import { mkdirSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { AgentClient, AgentError } from '../../agent/client.ts';
+import { type AgentClient, AgentError } from '../../agent/client.ts';
 import { UserError } from '../../errors.ts';
 import type { ExitInfo, Sandbox, SandboxStats } from '../engine.ts';
 import { type NativePreparedVm, type NativeSnapshot, type NativeVm, type NativeVmEvent, nativeVmClass } from './native-vm.ts';
-import { VsockConnectError, vsockConnect } from './vsock.ts';
+import { connectAgent, VsockConnectError } from './vsock.ts';
 
 export const AGENT_PORT = 1024;
 const CONSOLE_KEEP = 200;
@@ -213,12 +213,7 @@ export class KvmSandbox implements Sandbox {
           );
         }
         try {
-          const sock = await vsockConnect(this.vsockPath, AGENT_PORT, Math.min(left, 10_000));
-          sock.setNoDelay?.(true);
-          const client = new AgentClient(sock);
-          // vsockConnect hands the socket over paused (so no byte after the OK
-          // line is lost); a 'data' listener does not restart a paused stream.
-          sock.resume();
+          const client = await connectAgent(this.vsockPath, AGENT_PORT, Math.min(left, 10_000));
           // A connected agent answers at once; one that does not (a broken
           // data path) must not stall the boot past its limit.
           let timer: NodeJS.Timeout | undefined;

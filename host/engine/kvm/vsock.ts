@@ -4,6 +4,7 @@
 // (nothing listens yet) or does not answer. After OK the socket is a plain
 // byte stream to the guest's AF_VSOCK socket.
 import { connect, type Socket } from 'node:net';
+import { AgentClient } from '../../agent/client.ts';
 
 export class VsockConnectError extends Error {
   constructor(
@@ -73,4 +74,15 @@ export function vsockConnect(udsPath: string, port: number, timeoutMs: number): 
     sock.on('data', onData);
     sock.once('connect', () => sock.write(`CONNECT ${port}\n`));
   });
+}
+
+/** One attempt to reach the guest agent on `port`: an AgentClient on the bridged stream (no request sent yet). */
+export async function connectAgent(udsPath: string, port: number, timeoutMs: number): Promise<AgentClient> {
+  const sock = await vsockConnect(udsPath, port, timeoutMs);
+  sock.setNoDelay?.(true);
+  const client = new AgentClient(sock);
+  // vsockConnect hands the socket over paused (no byte after its OK line is
+  // lost); a 'data' listener does not restart a paused stream.
+  sock.resume();
+  return client;
 }
