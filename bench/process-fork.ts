@@ -4,11 +4,11 @@
 // scratch). "Ready" = every child has answered its first eval. Private memory
 // per child = Private_* of smaps_rollup of its processes while alive, after
 // that first answer. Builds the image `numpy` (default + python3-numpy) once.
-//   npx tsx bench/process-fork.ts [--image NAME] [--no-cold] [--ksm]
+//   npx tsx bench/process-fork.ts [--image NAME] [--no-cold] [--no-spares] [--ksm] [--n 1,10,100]
 import { closeSync, openSync, readdirSync, readFileSync, readSync, rmSync } from 'node:fs';
-import { buildImage, imageExists, loadImage } from '../host/images.ts';
 import type { Sandbox } from '../host/engine/engine.ts';
 import { ProcessEngine } from '../host/engine/process/engine.ts';
+import { buildImage, imageExists, loadImage } from '../host/images.ts';
 import { storePath } from '../host/store.ts';
 
 const args = process.argv.slice(2);
@@ -16,8 +16,11 @@ const imageArg = args.indexOf('--image');
 const IMAGE = imageArg >= 0 ? args[imageArg + 1]! : 'numpy';
 const COLD = !args.includes('--no-cold');
 const KSM = args.includes('--ksm');
+const SPARES = !args.includes('--no-spares');
 const WARMUP = 'import numpy';
-const NS = [1, 10, 100];
+const nArg = args.indexOf('--n');
+const NS = nArg >= 0 ? args[nArg + 1]!.split(',').map(Number) : [1, 10, 100];
+if (!NS.every((n) => Number.isInteger(n) && n >= 1 && n <= 1024)) throw new Error('--n takes a comma-separated list of counts from 1 to 1024, e.g. --n 10,100');
 
 if (!imageExists(IMAGE)) {
   if (IMAGE !== 'numpy') throw new Error(`image ${IMAGE} does not exist`);
@@ -149,19 +152,21 @@ try {
   }
   // The same with 100 spare forks kept ready per template (set up and listening in advance;
   // restored at hand-out): what a caller waits for when the pool is full.
-  const pooled = new ProcessEngine({ rootfsOf: async () => rootfs, spares: 100, warn: () => {} });
   const spareRows: { n: number; ms: number }[] = [];
-  try {
-    await pooled.fork(TEMPLATE, 1).then((k) => Promise.all(k.map((x) => x.kill())));
-    for (const n of NS) {
-      await pooled.sparesReady(TEMPLATE);
-      const t0 = performance.now();
-      const kids = await pooled.fork(TEMPLATE, n);
-      spareRows.push({ n, ms: await firstAnswers(kids, t0) });
-      await Promise.all(kids.map((k) => k.kill()));
+  if (SPARES) {
+    const pooled = new ProcessEngine({ rootfsOf: async () => rootfs, spares: 100, warn: () => {} });
+    try {
+      await pooled.fork(TEMPLATE, 1).then((k) => Promise.all(k.map((x) => x.kill())));
+      for (const n of NS) {
+        await pooled.sparesReady(TEMPLATE);
+        const t0 = performance.now();
+        const kids = await pooled.fork(TEMPLATE, n);
+        spareRows.push({ n, ms: await firstAnswers(kids, t0) });
+        await Promise.all(kids.map((k) => k.kill()));
+      }
+    } finally {
+      await pooled.close();
     }
-  } finally {
-    await pooled.close();
   }
   if (COLD) {
     for (const row of rows) {
@@ -197,7 +202,7 @@ try {
     }
   })();
   console.log(`KSM: ${KSM ? 'asked for' : 'not asked for (--ksm)'}, host /sys/kernel/mm/ksm/run = ${ksmNow}`);
-  console.log('\nwith 100 spare forks waiting per template (option spares; each spare holds a child\'s memory):');
+  if (SPARES) console.log('\nwith 100 spare forks waiting per template (option spares; each spare holds a child\'s memory):');
   for (const r of spareRows) console.log(`${String(r.n).padStart(5)} | all answered in ${r.ms.toFixed(1)} ms`);
   console.log('\nwhere the fork time went (ms from the fork call; for N > 25, the last of its requests to the zygote to finish):');
   for (const r of rows) console.log(`${String(r.n).padStart(5)} | ${r.split}`);
