@@ -77,6 +77,25 @@ interface Zygote extends Root {
   /** Forked, listening, not restored: handed out first by fork(). */
   spares: ProcessSandbox[];
   refilling: Promise<void> | null;
+  /** Fork requests whose children may still be in the zygote's cgroup: two at a time (see chunks()). */
+  requests: Gate;
+}
+
+/** At most n holders at a time, first come first served. */
+class Gate {
+  private readonly queue: (() => void)[] = [];
+  constructor(private free: number) {}
+
+  async enter(): Promise<void> {
+    if (this.free > 0) this.free--;
+    else await new Promise<void>((r) => this.queue.push(r));
+  }
+
+  leave(): void {
+    const next = this.queue.shift();
+    if (next) next();
+    else this.free++;
+  }
 }
 
 function pushLine(ring: string[], line: string) {
@@ -149,7 +168,7 @@ function descendants(pid: number, skip: ReadonlySet<number>): number[] {
 function chunks(n: number, pids: number): number[] {
   // Until the host moves them to their own cgroups, new children (5 tasks
   // each: the agent and its 4 service threads) count against the zygote's
-  // pids limit, up to two requests' worth at a time.
+  // pids limit: two requests' worth at a time (Zygote.requests).
   const size = Math.max(1, Math.min(FORK_CHUNK, Math.floor((pids - 16) / 12)));
   const out: number[] = [];
   for (let left = n; left > 0; left -= size) out.push(Math.min(size, left));
@@ -583,7 +602,7 @@ export class ProcessEngine implements Engine {
       await this.destroyRoot(root);
       throw e;
     }
-    const z: Zygote = { ...root, info, client, limits, dead: false, spares: [], refilling: null };
+    const z: Zygote = { ...root, info, client, limits, dead: false, spares: [], refilling: null, requests: new Gate(2) };
     void client.closed.then(() => {
       z.dead = true;
       if (this.zygotes.get(info.name) === z) this.zygotes.delete(info.name);
@@ -635,7 +654,9 @@ export class ProcessEngine implements Engine {
     const take = z.spares.splice(0, Math.min(n, z.spares.length));
     const parts = await Promise.allSettled([
       ...take.map((s) => this.activate(s, startedAt)),
-      ...chunks(n - take.length, z.limits.pids).map((k) => this.spawnChildren(z.client, z.pid, z.runDir, 's', k, z.limits, template, true, startedAt)),
+      ...chunks(n - take.length, z.limits.pids).map((k) =>
+        this.spawnChildren(z.client, z.pid, z.runDir, 's', k, z.limits, template, true, startedAt, undefined, z.requests),
+      ),
     ]);
     this.refill(z);
     const got: ProcessSandbox[] = [];
@@ -664,16 +685,20 @@ export class ProcessEngine implements Engine {
     return s;
   }
 
-  /** Tops the template's spares up to the target, in the background (one batch at a time). */
+  /** Tops the template's spares up to the target, in the background (one refill at a time, in requests of chunks()). */
   private refill(z: Zygote): void {
     const want = this.spareTarget - z.spares.length;
     if (want <= 0 || z.refilling || z.dead || this.closed) return;
-    z.refilling = this.spawnChildren(z.client, z.pid, z.runDir, 's', want, z.limits, z.info.name, false)
-      .then((list) => {
-        if (z.dead || this.closed) return void Promise.all(list.map((s) => s.kill()));
-        z.spares.push(...list);
+    z.refilling = Promise.allSettled(
+      chunks(want, z.limits.pids).map((k) => this.spawnChildren(z.client, z.pid, z.runDir, 's', k, z.limits, z.info.name, false, undefined, undefined, z.requests)),
+    )
+      .then((parts) => {
+        for (const p of parts) {
+          if (p.status === 'rejected') this.warn(`forkling: refilling the spare forks of ${z.info.name} failed: ${(p.reason as Error).message}`);
+          else if (z.dead || this.closed) void Promise.all(p.value.map((s) => s.kill()));
+          else z.spares.push(...p.value);
+        }
       })
-      .catch((e: Error) => this.warn(`forkling: refilling the spare forks of ${z.info.name} failed: ${e.message}`))
       .finally(() => {
         z.refilling = null;
       });
@@ -707,7 +732,14 @@ export class ProcessEngine implements Engine {
     restore = true,
     startedAt = performance.now(),
     source?: ProcessSandbox,
+    gate?: Gate,
   ): Promise<ProcessSandbox[]> {
+    await gate?.enter();
+    let holding = gate !== undefined;
+    const leave = () => {
+      if (holding) gate!.leave();
+      holding = false;
+    };
     const ids = Array.from({ length: n }, newId);
     const op = sub === 's' ? 'fork' : 'branch';
     const reply = parent.request(op, { children: ids.map((id) => ({ id, hostname: id })) });
@@ -721,7 +753,7 @@ export class ProcessEngine implements Engine {
       const replyAt = performance.now();
       const byNs = childrenByNsPid(parentPid);
       const failed = res.children.filter((c) => !c.ok);
-      const results = await Promise.allSettled(
+      const settled = Promise.allSettled(
         res.children
           .filter((c) => c.ok)
           .map(async (c) => {
@@ -765,6 +797,8 @@ export class ProcessEngine implements Engine {
             return sb;
           }),
       );
+      leave(); // each child is in its own cgroup now (entered before the first await above), or failed
+      const results = await settled;
       this.lastSpawn = {
         n,
         cgroupsMs: cgroupsAt - startedAt,
@@ -776,6 +810,7 @@ export class ProcessEngine implements Engine {
       if (errors.length) throw new UserError(`${op}: ${errors.length} of ${n} children failed: ${errors.slice(0, 3).join('; ')}`);
       return ids.map((id) => made.find((s) => s.id === id)!);
     } catch (e) {
+      leave();
       await Promise.all(made.map((s) => s.kill()));
       await reply.catch(() => {});
       for (const cg of cgroups.values()) if (cg) await this.cgroups.remove(cg).catch(() => {});
