@@ -8,7 +8,7 @@ code. This module adds two ops to the agent:
   fork   (in the zygote) n children of the warm interpreter;
   branch (in a sandbox)  n children that continue from its live state.
 
-Each child is os.fork() of the agent, made PID 1 of a new pid namespace
+Each child is fork() of the agent, made PID 1 of a new pid namespace
 (unshare(CLONE_NEWPID) just before the fork, setns back just after), then
 takes new mount, network, ipc and uts namespaces, a root of its own:
 overlay(read-only base, private tmpfs upper), fresh /proc /dev /run, a new
@@ -19,6 +19,11 @@ The read-only base is an overlay with lower layers only (the zygote's upper
 over the image): it can never become writable, so no sandbox can change what
 its siblings see. A branch child copies its source's upper into its own.
 
+A zygote does not fork its children itself: at its first fork it forks one
+*fork server* (os.fork(), from one of its threads), which has a single thread
+and so can fork each child with a plain fork() and none of CPython's
+after-fork work (see _server_main).
+
 Only stdlib (ctypes) and the agent module; loaded by the agent if present.
 """
 
@@ -26,11 +31,15 @@ import _thread
 import ctypes
 import errno
 import gc
+import json
 import os
 import queue
 import re
+import select
 import selectors
+import socket
 import stat
+import struct
 import threading
 import time
 
@@ -59,9 +68,18 @@ STATE = {
     'upper_fd': None,  # O_PATH fd of this sandbox's upper dir (copied by branch)
     'pidns_fd': None,  # this process's own pid namespace (to undo unshare(CLONE_NEWPID))
     'lifeline_fd': None,  # read end of the host's lifeline pipe (zygote, cold-booted sandbox)
+    'server': None,    # zygote: (pid, socket) of its fork server
+    'in_server': None,  # in a fork server and its children: the server's end of its socket to the zygote
 }
+# Fork handlers the warm-up registers with os.register_at_fork (see register()).
+AT_FORK = {'before': [], 'after_in_parent': [], 'after_in_child': []}
 _lock = threading.Lock()  # one fork/branch at a time per process
 _libc = ctypes.CDLL(None, use_errno=True)
+# libc's fork() called with the GIL held and no Python before or after it
+# (os.fork() runs CPython's at-fork work): only for a process with one thread.
+_plain_fork = ctypes.PyDLL(None, use_errno=True).fork
+_plain_fork.restype = ctypes.c_int
+_plain_fork.argtypes = []
 _agent_mod = None
 
 
@@ -113,6 +131,31 @@ def register(agent_mod):
         # process in them, and so every fork of a zygote.
         STATE['lifeline_fd'] = int(fd)
         agent_mod.run_thread(_lifeline, int(fd), name='lifeline')
+    if ROLE == 'zygote':
+        os.register_at_fork = _register_at_fork
+
+
+_os_register_at_fork = os.register_at_fork
+
+
+def _register_at_fork(*, before=None, after_in_child=None, after_in_parent=None):
+    """os.register_at_fork for the warm-up: the fork server forks without
+    CPython's at-fork calls, so it runs these itself around each fork (the
+    handlers of modules the agent imported before, threading's and random's,
+    are not needed there: the server has one thread, and restore reseeds)."""
+    given = {k: v for k, v in (('before', before), ('after_in_child', after_in_child),
+                               ('after_in_parent', after_in_parent)) if v is not None}
+    _os_register_at_fork(**given)  # checks the arguments; os.fork() (the server, branches) runs them
+    for k, v in given.items():
+        AT_FORK[k].append(v)
+
+
+def _run_at_fork(which):
+    for fn in reversed(AT_FORK[which]) if which == 'before' else AT_FORK[which]:
+        try:
+            fn()
+        except Exception as e:  # as os.fork(): reported, not raised
+            _agent_mod.log('at-fork handler %r failed: %r' % (fn, e))
 
 
 def _lifeline(fd):
@@ -133,16 +176,28 @@ def _refuse(what):
 def op_fork(agent, conn, f):
     if ROLE != 'zygote':
         _refuse('fork')
+    _check_children(f['children'])
     with _lock:
         _freeze_base()
-        return {'children': _spawn(agent, f['children'], branch=False)}
+        return {'children': _server_fork(agent, f['children'])}
 
 
 def op_branch(agent, conn, f):
     if ROLE != 'sandbox':
         _refuse('branch')
+    _check_children(f['children'])
     with _lock:
-        return {'children': _spawn(agent, f['children'], branch=True)}
+        return {'children': _spawn(agent, f['children'], branch=True, fork=os.fork)}
+
+
+def _check_children(children):
+    seen = set()
+    for ch in children:
+        if not ID_RE.match(ch['id']) or ch['id'] in seen:
+            raise _agent_mod.OpError('bad_request', 'child id %r: use 1-32 of A-Z a-z 0-9 _ - , unique' % ch['id'])
+        if not HOST_RE.match(ch['hostname']):
+            raise _agent_mod.OpError('bad_request', 'hostname %r is not a valid host name' % ch['hostname'])
+        seen.add(ch['id'])
 
 
 # ------------------------------------------------------------------ the zygote's base
@@ -236,14 +291,130 @@ def _rehearse(agent, rounds=24):
 # ------------------------------------------------------------------ fork
 
 
-def _spawn(agent, children, branch):
-    seen = set()
-    for ch in children:
-        if not ID_RE.match(ch['id']) or ch['id'] in seen:
-            raise _agent_mod.OpError('bad_request', 'child id %r: use 1-32 of A-Z a-z 0-9 _ - , unique' % ch['id'])
-        if not HOST_RE.match(ch['hostname']):
-            raise _agent_mod.OpError('bad_request', 'hostname %r is not a valid host name' % ch['hostname'])
-        seen.add(ch['id'])
+# ------------------------------------------------------------------ the fork server
+
+
+def _server_fork(agent, children):
+    """The zygote's side: hands the request to its fork server (started at the
+    first fork, and again if it has died) and returns its answer."""
+    if STATE['server'] is None:
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                a.close()
+                _server_main(agent, b)
+            finally:
+                os._exit(1)
+        b.close()
+        STATE['server'] = (pid, a)
+    pid, sock = STATE['server']
+    try:
+        _send_msg(sock, children)
+        res = _recv_msg(sock)
+    except (OSError, ValueError) as e:
+        res = e
+    if isinstance(res, list):
+        return res
+    STATE['server'] = None
+    sock.close()
+    why = 'the fork server exited' if res is None else 'the fork server failed: %s' % res
+    return [{'id': ch['id'], 'ok': False, 'error': why} for ch in children]
+
+
+def _send_msg(sock, obj):
+    data = json.dumps(obj).encode()
+    sock.sendall(struct.pack('>I', len(data)) + data)
+
+
+def _recv_msg(sock):
+    """One message, or None at EOF."""
+    head = _recv_exact(sock, 4)
+    if head is None:
+        return None
+    body = _recv_exact(sock, struct.unpack('>I', head)[0])
+    if body is None:
+        raise ValueError('truncated message')
+    return json.loads(body)
+
+
+def _recv_exact(sock, n):
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            if buf:
+                raise ValueError('truncated message')
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+REAP_INTERVAL_MS = 500
+
+
+def _server_main(agent, sock):
+    """The fork server: os.fork() of the zygote (so CPython's after-fork work
+    ran once, here), with one thread. It forks every child of the template
+    with libc's fork() called directly: a copy of a process that has one
+    thread needs none of CPython's after-fork repairs (no other thread can hold
+    the GIL, a lock or the import lock, or own a thread state), and skipping
+    them keeps each child from writing (and so copying) ~750 KiB of pages.
+    The agent's state is reset here once, so children start from it as is."""
+    global _lock, ROLE
+    STATE['in_server'] = sock
+    _lock = threading.Lock()  # the zygote held it across the fork
+    _close_lifeline()  # we end with the zygote (PID 1 of our pid namespace)
+    if getattr(agent, 'after_fork_child', None) is None:
+        _reset_agent(agent)
+    os.environ['FORKLING_PROCESS_ROLE'] = 'sandbox'  # what every child is
+    ROLE = 'sandbox'
+    gc.collect()
+    gc.freeze()  # what this process made goes out of the children's collector's way too
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    while True:
+        ready = poller.poll(REAP_INTERVAL_MS)
+        _reap_children()
+        if not ready:
+            continue
+        try:
+            children = _recv_msg(sock)
+        except ValueError:
+            children = None
+        if children is None:
+            os._exit(0)  # the zygote closed its end
+        # One thread, unless an at-fork handler of the warm-up started one: then os.fork().
+        fork = _fork_child if len(os.listdir('/proc/self/task')) == 1 else os.fork
+        _send_msg(sock, _spawn(agent, children, branch=False, fork=fork))
+
+
+def _fork_child():
+    """fork() for a process with one thread, with the warm-up's at-fork handlers."""
+    _run_at_fork('before')
+    pid = _plain_fork()
+    if pid < 0:
+        e = ctypes.get_errno()
+        _run_at_fork('after_in_parent')
+        raise OSError(e, os.strerror(e))
+    _run_at_fork('after_in_child' if pid == 0 else 'after_in_parent')
+    return pid
+
+
+def _reap_children():
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+# ------------------------------------------------------------------ fork
+
+
+def _spawn(agent, children, branch, fork):
     if STATE['pidns_fd'] is None:
         STATE['pidns_fd'] = os.open('/proc/self/ns/pid', os.O_RDONLY | os.O_CLOEXEC)
     pending = []
@@ -265,7 +436,7 @@ def _spawn(agent, children, branch):
         try:
             unshare(CLONE_NEWPID)
             try:
-                pid = os.fork()
+                pid = fork()
             except BaseException:
                 setns(STATE['pidns_fd'], CLONE_NEWPID)
                 raise
@@ -335,12 +506,16 @@ def _kill(pid):
 def _child_main(agent, ch, sockdir, r, w, branch):
     """In the new child (PID 1 of its pid namespace): set up, listen, serve."""
     global _lock
-    _lock = threading.Lock()  # the parent held it across the fork
-    _close_lifeline()
+    server_sock, STATE['in_server'] = STATE['in_server'], None
+    if server_sock is not None:  # forked by the fork server, which reset the agent already
+        os.close(server_sock.detach())  # the server's, not ours: the zygote must see EOF when the server is gone
+    else:  # a branch: os.fork() of a sandbox
+        _lock = threading.Lock()  # the parent held it across the fork
+        _close_lifeline()
     try:
         os.close(r)
         _setup_child(ch, sockdir, branch)
-        _rebuild_agent(agent, ch)
+        _rebuild_agent(agent, ch, reset=server_sock is None)
         _listen(agent, RUN + '/agent.sock')
         os.write(w, b'ok')
         os.close(w)
@@ -417,58 +592,62 @@ def _setup_child(ch, sockdir, branch):
     STATE['upper_fd'] = new_upper
     os.close(STATE['pidns_fd'])
     STATE['pidns_fd'] = os.open('/proc/self/ns/pid', os.O_RDONLY | os.O_CLOEXEC)
-    os.environ['FORKLING_PROCESS_ROLE'] = 'sandbox'
-    os.environ['FORKLING_SANDBOX_ID'] = ch['id']
-    global ROLE
-    ROLE = 'sandbox'
+    os.environ['FORKLING_SANDBOX_ID'] = ch['id']  # (FORKLING_PROCESS_ROLE is sandbox already)
 
 
-def _rebuild_agent(agent, ch):
-    """The child has only this thread and copies of the parent's sockets: drop
-    those without shutting them down (that would cut the parent's
-    connections), start the agent's threads again, forget the parent's
-    processes and evals."""
+def _rebuild_agent(agent, ch, reset):
+    """Starts the agent's threads again in the child, which has only this
+    thread; in a branch, first drops the parent's sockets and state (a fork
+    server did that once for all its children)."""
     rebuild = getattr(agent, 'after_fork_child', None)
     if rebuild is not None:
         rebuild()
     else:
-        for conn in list(agent.connections):
-            conn.closed = True
-            try:
-                conn.sock.close()
-            except OSError:
-                pass
-        agent.connections = set()
-        for s in agent.listeners:
-            try:
-                s.close()
-            except OSError:
-                pass
-        agent.listeners = []
-        agent.procs = {}
-        agent.procs_lock = threading.Lock()
-        agent.eval_queue = queue.SimpleQueue()
-        agent.eval_lock = threading.Lock()
-        agent.eval_waiting = []
-        agent.running = None
-        agent.interrupt_for = None
-        agent.output_sink = None
-        agent.flush_wakeup = threading.Event()
-        agent.watch_wakeup = threading.Event()
+        if reset:
+            _reset_agent(agent)
         agent.main_ident = threading.get_ident()
-        agent.stopping = False
-        if agent.random_fd is not None:
-            try:
-                os.close(agent.random_fd)
-            except OSError:
-                pass
-            agent.random_fd = None
         agent.t0 = time.monotonic()
         _bare_thread(agent._flusher)
         _bare_thread(agent._watchdog)
         if _agent_mod.IS_PID1:
             _bare_thread(_agent_mod.reaper)
     agent.sandbox_id = ch['id']
+
+
+def _reset_agent(agent):
+    """Drops the parent's sockets without shutting them down (that would cut
+    the parent's connections), forgets its processes and evals, and makes new
+    locks and events (the parent's may have been held across the fork)."""
+    for conn in list(agent.connections):
+        conn.closed = True
+        try:
+            conn.sock.close()
+        except OSError:
+            pass
+    agent.connections = set()
+    for s in agent.listeners:
+        try:
+            s.close()
+        except OSError:
+            pass
+    agent.listeners = []
+    agent.procs = {}
+    agent.procs_lock = threading.Lock()
+    agent.eval_queue = queue.SimpleQueue()
+    agent.eval_lock = threading.Lock()
+    agent.eval_waiting = []
+    agent.running = None
+    agent.interrupt_for = None
+    agent.output_sink = None
+    agent.flush_wakeup = threading.Event()
+    agent.watch_wakeup = threading.Event()
+    agent.stopping = False
+    if agent.random_fd is not None:
+        try:
+            os.close(agent.random_fd)
+        except OSError:
+            pass
+        agent.random_fd = None
 
 
 def _bare_thread(target, *args):

@@ -94,23 +94,29 @@ test('a fork request that hits the pids limit part-way: the forked children answ
   for (const b of bad) assert.match(b.error ?? '', /Resource temporarily unavailable|not forked|can't start new thread/);
   // every child reported forked is alive (listening); kill them
   const nsToHost = new Map<number, number>();
-  for (const t of readdirSync(`/proc/${z.pid}/task`)) {
-    for (const k of readFileSync(`/proc/${z.pid}/task/${t}/children`, 'utf8').split(' ').filter(Boolean)) {
-      if (!alive(Number(k))) continue; // earlier tests' killed sandboxes, waiting for the zygote's reaper
-      const ns = /^NSpid:\s+(.*)$/m.exec(readFileSync(`/proc/${k}/status`, 'utf8'))![1]!.trim().split(/\s+/).map(Number);
-      nsToHost.set(ns[ns.length - 2]!, Number(k));
+  const kidsOf = (pid: number): number[] => {
+    try {
+      return readdirSync(`/proc/${pid}/task`).flatMap((t) => readFileSync(`/proc/${pid}/task/${t}/children`, 'utf8').split(' ').filter(Boolean).map(Number));
+    } catch {
+      return []; // gone meanwhile
     }
+  };
+  // the zygote's forks are the children of its fork server (its one child that is not PID 1 of a namespace of its own)
+  for (const k of kidsOf(z.pid).flatMap((s) => [s, ...kidsOf(s)])) {
+    if (!alive(k)) continue; // earlier tests' killed sandboxes, waiting for the fork server to reap them
+    const ns = /^NSpid:\s+(.*)$/m.exec(readFileSync(`/proc/${k}/status`, 'utf8'))![1]!.trim().split(/\s+/).map(Number);
+    if (ns[ns.length - 1] === 1) nsToHost.set(ns[ns.length - 2]!, k);
   }
   for (const c of ok) {
     const p = nsToHost.get(c.pid!);
     assert.ok(p !== undefined && alive(p), `child ${c.id} (pid ${c.pid} in the zygote) is alive`);
     process.kill(p!, 'SIGKILL');
   }
-  // the zygote's only live children are those: no half-made child was left behind
+  // the zygote's only live forks are those: no half-made child was left behind
   assert.is(nsToHost.size, ok.length);
-  // (zombies hold their pids until the zygote's reaper has them: wait for that before forking again)
+  // (zombies hold their pids until the fork server reaps them: wait for that before forking again)
   for (const deadline = Date.now() + 10000; [...nsToHost.values()].some((p) => existsSync(`/proc/${p}`)); ) {
-    assert.ok(Date.now() < deadline, 'the zygote reaps the killed children');
+    assert.ok(Date.now() < deadline, 'the fork server reaps the killed children');
     await new Promise((r) => setTimeout(r, 50));
   }
   // and the template still forks

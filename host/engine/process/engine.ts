@@ -103,31 +103,46 @@ function pushLine(ring: string[], line: string) {
   if (ring.length > CONSOLE_LINES) ring.splice(0, ring.length - CONSOLE_LINES);
 }
 
-/** Host pids of the direct children of `pid` (any of its threads), by their pid in the namespace where `pid` lives. */
-function childrenByNsPid(pid: number): Map<number, number> {
+/**
+ * Host pids of the forks of `pid` that have the given pids in the namespace where `pid` lives: its
+ * children that are PID 1 of their own pid namespace, and with `viaServer` those of its other
+ * children (a zygote's forks are children of its fork server). Newest children first, and only
+ * until every wanted pid is found (a zygote may have hundreds of live forks).
+ */
+function forksByNsPid(pid: number, want: ReadonlySet<number>, viaServer: boolean): Map<number, number> {
   const out = new Map<number, number>();
-  let tasks: string[] = [];
-  try {
-    tasks = readdirSync(`/proc/${pid}/task`);
-  } catch {
-    return out;
-  }
-  for (const t of tasks) {
-    let kids: string[] = [];
+  const scan = (parent: number, deeper: boolean): void => {
+    let tasks: string[] = [];
     try {
-      kids = readFileSync(`/proc/${pid}/task/${t}/children`, 'utf8').split(' ').filter(Boolean);
+      tasks = readdirSync(`/proc/${parent}/task`);
     } catch {
-      continue;
+      return;
     }
-    for (const k of kids) {
+    for (const t of tasks) {
+      let kids: string[] = [];
       try {
-        const ns = /^NSpid:\s+(.*)$/m.exec(readFileSync(`/proc/${k}/status`, 'utf8'))?.[1]?.trim().split(/\s+/).map(Number);
-        // NSpid: host pid, then the pid in each nested namespace; the parent's
-        // namespace is the second to last (the child is 1 in its own).
-        if (ns && ns.length >= 3) out.set(ns[ns.length - 2]!, Number(k));
-      } catch {}
+        kids = readFileSync(`/proc/${parent}/task/${t}/children`, 'utf8').split(' ').filter(Boolean);
+      } catch {
+        continue;
+      }
+      for (let i = kids.length - 1; i >= 0 && out.size < want.size; i--) {
+        const k = Number(kids[i]);
+        let ns: number[] | undefined;
+        try {
+          ns = /^NSpid:\s+(.*)$/m.exec(readFileSync(`/proc/${k}/status`, 'utf8'))?.[1]?.trim().split(/\s+/).map(Number);
+        } catch {
+          continue;
+        }
+        if (!ns) continue;
+        // NSpid: host pid, then the pid in each nested namespace. A fork is 1 in
+        // its own; the namespace of the process that forked it is the one before.
+        if (ns.length >= 3 && ns[ns.length - 1] === 1) {
+          if (want.has(ns[ns.length - 2]!)) out.set(ns[ns.length - 2]!, k);
+        } else if (deeper) scan(k, false);
+      }
     }
-  }
+  };
+  scan(pid, viaServer);
   return out;
 }
 
@@ -751,7 +766,7 @@ export class ProcessEngine implements Engine {
       const cgroupsAt = performance.now();
       const res = await reply;
       const replyAt = performance.now();
-      const byNs = childrenByNsPid(parentPid);
+      const byNs = forksByNsPid(parentPid, new Set(res.children.flatMap((c) => (c.ok && c.pid !== undefined ? [c.pid] : []))), sub === 's');
       const failed = res.children.filter((c) => !c.ok);
       const settled = Promise.allSettled(
         res.children
