@@ -34,8 +34,10 @@ async function agentUp(): Promise<void> {
 }
 
 /** A fake device socket: `mode` decides how CONNECT is answered. */
-function device(path: string, mode: 'ok' | 'refuse' | 'garbage'): Promise<Server> {
+function device(path: string, mode: 'ok' | 'refuse' | 'garbage' | 'slam'): Promise<Server> {
   const srv = createServer((c: Socket) => {
+    // slam: closed at once, before CONNECT is read (our write may then fail with EPIPE)
+    if (mode === 'slam') return c.destroy();
     let line = '';
     const onData = (b: Buffer) => {
       line += b.toString('latin1');
@@ -80,6 +82,14 @@ test('a refusal and a missing socket are retryable; a bad answer is not', async 
   assert.instance(e1, VsockConnectError);
   assert.is(e1.retryable, true);
   srv.close();
+  const s = join(dir, 'slam.sock');
+  const srv3 = await device(s, 'slam');
+  for (let i = 0; i < 20; i++) {
+    const e = await vsockConnect(s, 1024, 5000).catch((e) => e);
+    assert.instance(e, VsockConnectError);
+    assert.is(e.retryable, true, `a connection the device closed at once is retryable (${e.message})`);
+  }
+  srv3.close();
   const e2 = await vsockConnect(join(dir, 'none.sock'), 1024, 5000).catch((e) => e);
   assert.instance(e2, VsockConnectError);
   const g = join(dir, 'garbage.sock');

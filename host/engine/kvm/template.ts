@@ -6,13 +6,14 @@
 import { randomBytes } from 'node:crypto';
 import { existsSync, readFileSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
+import type { AgentClient } from '../../agent/client.ts';
 import { checkName, UserError } from '../../errors.ts';
 import { buildDirAtomic, storePath } from '../../store.ts';
 import type { TemplateInfo, TemplateOptions } from '../engine.ts';
 import type { NativeSnapshot } from './native-vm.ts';
 import { snapshotNative } from './snapshot-native.ts';
 import { AGENT_PORT, type KvmSandbox } from './vm.ts';
-import { connectAgent } from './vsock.ts';
+import { connectAgent, VsockConnectError } from './vsock.ts';
 
 export const STATE_FILE = 'state.bin';
 export const MEMORY_FILE = 'memory.bin';
@@ -73,6 +74,22 @@ async function waitNoConnections(sb: KvmSandbox, timeoutMs: number): Promise<voi
   }
 }
 
+/** A new agent connection; the guest may refuse one for a moment (the previous connection's close still in flight). */
+async function connectRetrying(sb: KvmSandbox, timeoutMs: number): Promise<AgentClient> {
+  const deadline = performance.now() + timeoutMs;
+  let delay = 1;
+  for (;;) {
+    sb.throwIfStopped();
+    try {
+      return await connectAgent(sb.vsockPath, AGENT_PORT, Math.max(1, deadline - performance.now()));
+    } catch (e) {
+      if (!(e instanceof VsockConnectError) || !e.retryable || performance.now() + delay > deadline) throw e;
+    }
+    await new Promise((r) => setTimeout(r, delay));
+    delay = Math.min(delay * 2, 50);
+  }
+}
+
 const REHEARSALS = 16;
 const REHEARSAL_CONTEXT = 'forkling-rehearsal';
 
@@ -86,7 +103,7 @@ const REHEARSAL_CONTEXT = 'forkling-rehearsal';
  */
 async function rehearse(sb: KvmSandbox): Promise<void> {
   for (let i = 0; i < REHEARSALS; i++) {
-    const c = await connectAgent(sb.vsockPath, AGENT_PORT, 10_000);
+    const c = await connectRetrying(sb, 10_000);
     try {
       await c.hello();
       await c.restore({ entropy: randomBytes(64) });

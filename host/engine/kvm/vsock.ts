@@ -48,8 +48,11 @@ export function vsockConnect(udsPath: string, port: number, timeoutMs: number): 
       timeoutMs,
     );
     const onError = (e: NodeJS.ErrnoException) => {
-      // ENOENT/ECONNREFUSED: the VM's socket is not there (yet, or any more).
-      finish(new VsockConnectError(`vsock ${udsPath}: ${e.code ?? e.message}`, e.code === 'ECONNREFUSED' || e.code === 'EAGAIN'));
+      // ENOENT: the VM's socket is not there (any more). ECONNREFUSED/EAGAIN: its
+      // listener is busy. EPIPE/ECONNRESET: the device closed the connection
+      // before we wrote CONNECT (the guest refused it), as 'close' below.
+      const retryable = e.code === 'ECONNREFUSED' || e.code === 'EAGAIN' || e.code === 'EPIPE' || e.code === 'ECONNRESET';
+      finish(new VsockConnectError(`vsock ${udsPath}: ${e.code ?? e.message}`, retryable));
     };
     const onClose = () => finish(new VsockConnectError(`vsock port ${port}: the guest refused the connection`, true));
     const onData = (chunk: Buffer) => {
