@@ -27,9 +27,11 @@ after-fork work (see _server_main).
 Only stdlib (ctypes) and the agent module; loaded by the agent if present.
 """
 
+import _socket
 import _thread
 import ctypes
 import errno
+import fcntl
 import gc
 import json
 import os
@@ -70,6 +72,7 @@ STATE = {
     'lifeline_fd': None,  # read end of the host's lifeline pipe (zygote, cold-booted sandbox)
     'server': None,    # zygote: (pid, socket) of its fork server
     'in_server': None,  # in a fork server and its children: the server's end of its socket to the zygote
+    'plan': None,      # the children's set-up steps (_setup_plan)
 }
 # Fork handlers the warm-up registers with os.register_at_fork (see register()).
 AT_FORK = {'before': [], 'after_in_parent': [], 'after_in_child': []}
@@ -415,6 +418,7 @@ def _reap_children():
 
 
 def _spawn(agent, children, branch, fork):
+    _setup_plan()  # here, once: every child inherits it
     if STATE['pidns_fd'] is None:
         STATE['pidns_fd'] = os.open('/proc/self/ns/pid', os.O_RDONLY | os.O_CLOEXEC)
     pending = []
@@ -541,57 +545,128 @@ def _close_lifeline():
             pass
 
 
-def _setup_child(ch, sockdir, branch):
-    unshare(CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS)
-    mount(None, '/', None, MS_REC | MS_PRIVATE)
-    # A source sandbox has no SCRATCH until its first branch creates it in its own /run.
+def _setup_plan():
+    """The child's namespace and mount set-up as calls with their arguments,
+    made once per process (the fork server, or a sandbox at its first
+    branch): a child then runs a loop of system calls, not the Python that
+    builds their arguments (fewer objects touched, fewer pages copied).
+    Steps are (function, args, what): os functions raise; libc ones return
+    non-zero on failure. Two steps are the child's own: see _setup_child."""
+    if STATE['plan'] is not None:
+        return STATE['plan']
+    C = ctypes
+    libc_mount = _libc['mount']
+    libc_mount.argtypes = (C.c_char_p, C.c_char_p, C.c_char_p, C.c_ulong, C.c_char_p)
+    libc_unshare = _libc['unshare']
+    libc_unshare.argtypes = (C.c_int,)
+    libc_umount2 = _libc['umount2']
+    libc_umount2.argtypes = (C.c_char_p, C.c_int)
+    libc_syscall = _libc['syscall']
+    libc_syscall.argtypes = (C.c_long, C.c_char_p, C.c_char_p)
+    # A source sandbox has no SCRATCH until its first branch: made here, every child's copy of our mounts has it.
     os.makedirs(SCRATCH, exist_ok=True)
-    mount('tmpfs', SCRATCH, 'tmpfs', MS_NOSUID | MS_NODEV, 'mode=0755')
-    upper, work, root = SCRATCH + '/upper', SCRATCH + '/work', SCRATCH + '/root'
-    for d in (upper, work, root):
-        os.mkdir(d, 0o755)
+    scratch = SCRATCH.encode()
+    upper, work, root = scratch + b'/upper', scratch + b'/work', scratch + b'/root'
     # A fork's lower layer is the zygote's frozen base; a sandbox booted
     # straight from the image (no zygote) branches on the image itself.
-    base = BASE if os.path.isdir(BASE) else LAYERS + '/image'
-    if branch:
-        copy_tree('/proc/self/fd/%d' % STATE['upper_fd'] if STATE['upper_fd'] is not None else LAYERS + '/upper', upper)
+    base = (BASE if os.path.isdir(BASE) else LAYERS + '/image').encode()
+    dev = root + b'/dev'
+    before_layer = [
+        (libc_unshare, (CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS,), 'unshare'),
+        (libc_mount, (None, b'/', None, MS_REC | MS_PRIVATE, None), 'mount --make-rprivate /'),
+        (libc_mount, (b'tmpfs', scratch, b'tmpfs', MS_NOSUID | MS_NODEV, b'mode=0755'), 'mount tmpfs on ' + SCRATCH),
+        (os.mkdir, (upper, 0o755), None),
+        (os.mkdir, (work, 0o755), None),
+        (os.mkdir, (root, 0o755), None),
+    ]
     # By path, not through base_fd: overlay clones its lower mount, which must
     # be in this mount namespace (an fd still names the parent's).
-    mount('overlay', root, 'overlay', MS_NOSUID | MS_NODEV,
-          'lowerdir=%s,upperdir=%s,workdir=%s,userxattr' % (base, upper, work))
-    mount('tmpfs', root + '/run', 'tmpfs', MS_NOSUID | MS_NODEV | MS_NOEXEC, 'mode=0755,size=16m')
-    os.makedirs(root + RUN)
-    os.makedirs(root + SCRATCH)
-    os.makedirs(root + BASE)
-    mount(base, root + BASE, None, MS_BIND)  # read-only: what this sandbox's branches build on
-    mount(sockdir, root + RUN, None, MS_BIND)
-    mount('proc', root + '/proc', 'proc', MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    dev = root + '/dev'
-    mount('tmpfs', dev, 'tmpfs', MS_NOSUID | MS_NOEXEC, 'mode=0755,size=64k')
-    for name in ('null', 'zero', 'full', 'random', 'urandom', 'tty'):
-        os.close(os.open(dev + '/' + name, os.O_CREAT | os.O_WRONLY, 0o666))
-        mount('/dev/' + name, dev + '/' + name, None, MS_BIND)
-    os.mkdir(dev + '/pts')
-    mount('devpts', dev + '/pts', 'devpts', MS_NOSUID | MS_NOEXEC, 'newinstance,ptmxmode=0666,mode=0620')
-    os.mkdir(dev + '/shm')
-    mount('tmpfs', dev + '/shm', 'tmpfs', MS_NOSUID | MS_NODEV, 'mode=1777')
-    for target, link in (('pts/ptmx', 'ptmx'), ('/proc/self/fd', 'fd'), ('/proc/self/fd/0', 'stdin'),
-                         ('/proc/self/fd/1', 'stdout'), ('/proc/self/fd/2', 'stderr')):
-        os.symlink(target, dev + '/' + link)
-    mount('tmpfs', root + '/sys', 'tmpfs', MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, 'size=4k,mode=0555')
-    import socket
-    socket.sethostname(ch['hostname'])
-    _agent_mod.loopback_up()
-    new_upper = os.open(upper, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    os.chdir(root)
-    _check(_libc.syscall(ctypes.c_long(SYS_PIVOT_ROOT), b'.', b'.'), 'pivot_root')
-    _check(_libc.umount2(b'.', ctypes.c_int(MNT_DETACH)), 'umount old root')
-    os.chdir('/')
+    after_layer = [
+        (libc_mount, (b'overlay', root, b'overlay', MS_NOSUID | MS_NODEV,
+                      b'lowerdir=%s,upperdir=%s,workdir=%s,userxattr' % (base, upper, work)), 'mount the overlay root'),
+        (libc_mount, (b'tmpfs', root + b'/run', b'tmpfs', MS_NOSUID | MS_NODEV | MS_NOEXEC, b'mode=0755,size=16m'), 'mount /run'),
+        (os.mkdir, (root + RUN.encode(), 0o755), None),
+        (os.mkdir, (root + LAYERS.encode(), 0o755), None),
+        (os.mkdir, (root + SCRATCH.encode(), 0o755), None),
+        (os.mkdir, (root + BASE.encode(), 0o755), None),
+        # read-only: what this sandbox's branches build on
+        (libc_mount, (base, root + BASE.encode(), None, MS_BIND, None), 'bind the base'),
+        None,  # the child's own socket directory at /run/forkling
+        (libc_mount, (b'proc', root + b'/proc', b'proc', MS_NOSUID | MS_NODEV | MS_NOEXEC, None), 'mount /proc'),
+        (libc_mount, (b'tmpfs', dev, b'tmpfs', MS_NOSUID | MS_NOEXEC, b'mode=0755,size=64k'), 'mount /dev'),
+    ]
+    for name in (b'null', b'zero', b'full', b'random', b'urandom', b'tty'):
+        after_layer.append((os.mknod, (dev + b'/' + name, stat.S_IFREG | 0o666), None))
+        after_layer.append((libc_mount, (b'/dev/' + name, dev + b'/' + name, None, MS_BIND, None), 'bind /dev/' + name.decode()))
+    after_layer += [
+        (os.mkdir, (dev + b'/pts', 0o755), None),
+        (libc_mount, (b'devpts', dev + b'/pts', b'devpts', MS_NOSUID | MS_NOEXEC, b'newinstance,ptmxmode=0666,mode=0620'), 'mount /dev/pts'),
+        (os.mkdir, (dev + b'/shm', 0o755), None),
+        (libc_mount, (b'tmpfs', dev + b'/shm', b'tmpfs', MS_NOSUID | MS_NODEV, b'mode=1777'), 'mount /dev/shm'),
+    ]
+    for target, link in ((b'pts/ptmx', b'ptmx'), (b'/proc/self/fd', b'fd'), (b'/proc/self/fd/0', b'stdin'),
+                         (b'/proc/self/fd/1', b'stdout'), (b'/proc/self/fd/2', b'stderr')):
+        after_layer.append((os.symlink, (target, dev + b'/' + link), None))
+    after_layer += [
+        (libc_mount, (b'tmpfs', root + b'/sys', b'tmpfs', MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, b'size=4k,mode=0555'), 'mount /sys'),
+        None,  # the child's host name
+        (_lo_up, (), None),
+    ]
+    pivot = [
+        (os.chdir, (root,), None),
+        (libc_syscall, (SYS_PIVOT_ROOT, b'.', b'.'), 'pivot_root'),
+        (libc_umount2, (b'.', MNT_DETACH), 'umount the old root'),
+        (os.chdir, (b'/',), None),
+    ]
+    holes = [i for i, step in enumerate(after_layer) if step is None]
+    STATE['plan'] = plan = {
+        'before_layer': before_layer, 'after_layer': after_layer, 'pivot': pivot, 'upper': upper,
+        'mount': libc_mount, 'run': root + RUN.encode(), 'sock_step': holes[0], 'host_step': holes[1],
+    }
+    return plan
+
+
+SIOCGIFFLAGS, SIOCSIFFLAGS = 0x8913, 0x8914
+LO_IFREQ = struct.pack('16sh14x', b'lo', 0)
+
+
+def _lo_up():
+    """`lo` up in the child's new network namespace (IFF_UP is bit 0 of the flags' low byte)."""
+    s = _socket.socket(_socket.AF_INET, _socket.SOCK_DGRAM)
+    try:
+        req = bytearray(LO_IFREQ)
+        fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, req)
+        req[16] |= 1
+        fcntl.ioctl(s.fileno(), SIOCSIFFLAGS, req)
+    finally:
+        s.close()
+
+
+def _run_steps(steps):
+    for fn, args, what in steps:
+        if fn(*args):
+            e = ctypes.get_errno()
+            raise OSError(e, '%s: %s' % (what, os.strerror(e)))
+
+
+def _setup_child(ch, sockdir, branch):
+    plan = _setup_plan()
+    _run_steps(plan['before_layer'])
+    if branch:
+        copy_tree('/proc/self/fd/%d' % STATE['upper_fd'] if STATE['upper_fd'] is not None else LAYERS + '/upper',
+                  plan['upper'].decode())
+    steps = plan['after_layer'][:]
+    steps[plan['sock_step']] = (plan['mount'], (sockdir.encode(), plan['run'], None, MS_BIND, None), 'bind ' + sockdir)
+    steps[plan['host_step']] = (socket.sethostname, (ch['hostname'],), None)
+    _run_steps(steps)
+    new_upper = os.open(plan['upper'], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    _run_steps(plan['pivot'])
     if STATE['upper_fd'] is not None:
         os.close(STATE['upper_fd'])
     STATE['upper_fd'] = new_upper
     os.close(STATE['pidns_fd'])
     STATE['pidns_fd'] = os.open('/proc/self/ns/pid', os.O_RDONLY | os.O_CLOEXEC)
+    STATE['plan'] = None  # made again, for this sandbox's own mounts, at its first branch
     os.environ['FORKLING_SANDBOX_ID'] = ch['id']  # (FORKLING_PROCESS_ROLE is sandbox already)
 
 
