@@ -45,7 +45,11 @@ export async function buildDirAtomic(dest: string, fill: (staging: string) => Pr
     try {
       renameSync(dest, old);
       hadOld = true;
-    } catch {}
+    } catch (e) {
+      // No old directory is fine; anything else (EXDEV on an overlay without
+      // redirect_dir, EACCES) would only surface as a puzzling ENOTEMPTY below.
+      if ((e as NodeJS.ErrnoException).code !== 'ENOENT') throw e;
+    }
     renameSync(staging, dest);
     if (hadOld) rmSync(old, { recursive: true, force: true });
   } catch (e) {

@@ -279,6 +279,13 @@ Napi::Value VmMemoryUsage(const Napi::CallbackInfo& info, vmm::Vm& vm) {
     o.Set("guestPrivateBytes", Napi::Number::New(env, double(u.guest_private_bytes)));
     o.Set("guestSharedBytes", Napi::Number::New(env, double(u.guest_shared_bytes)));
     o.Set("guestMemfdBytes", Napi::Number::New(env, double(u.guest_memfd_bytes)));
+    // memoryUsage({frames: true}): also the guest frame numbers of the private pages.
+    if (info.Length() > 0 && info[0].IsObject() && info[0].As<Napi::Object>().Get("frames").ToBoolean()) {
+      std::vector<uint64_t> f = ss::PrivateGuestFrames(vm);
+      Napi::Float64Array a = Napi::Float64Array::New(env, f.size());
+      for (size_t i = 0; i < f.size(); i++) a[i] = double(f[i]);
+      o.Set("privateFrames", a);
+    }
     return o;
   });
 }

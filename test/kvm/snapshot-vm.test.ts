@@ -147,6 +147,11 @@ test('fork: 10 children in parallel, each its own copy-on-write memory', async (
     assert.ok(u.guestPrivateBytes >= 4096 && u.guestPrivateBytes <= 64 * 1024, `private ${u.guestPrivateBytes}`);
     assert.ok(u.guestSharedBytes >= 4096, 'reads are served from the shared page cache');
   }
+  // The pages themselves: the counter's (0x300000) among them, all inside guest RAM, ascending.
+  const frames = kids[0]!.vm.memoryUsage({ frames: true }).privateFrames!;
+  assert.ok(frames.includes(0x300), `the counter page is private (frames ${[...frames].map((f) => f.toString(16)).join(' ')})`);
+  assert.ok(frames.every((f, i) => f < (64 << 20) / 4096 && (i === 0 || f > frames[i - 1]!)), 'frames ascend inside guest RAM');
+  assert.ok(frames.length * 4096 <= 64 * 1024);
   console.log(`    10 children created in ${created.toFixed(1)} ms (${(created / 10).toFixed(2)} ms each); private memory per child ${usage.map((u) => u.guestPrivateBytes / 1024).join('/')} KiB`);
   for (const k of kids) k.vm.kill();
 });

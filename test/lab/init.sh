@@ -49,12 +49,13 @@ mount -t tmpfs -o mode=1777 tmpfs /host/tmp || fail "tmpfs on /tmp"
 [ -d /host/run ] && mount -t tmpfs tmpfs /host/run
 
 # The host's store, readable, writable through an overlay whose changes live in
-# the lab's /tmp (the outer store is never modified).
+# the lab's /tmp (the outer store is never modified); redirect_dir lets the
+# store replace a directory atomically by renames, as it does outside.
 STORE=/tmp/forkling-store
 if [ -n "$LAB_STORE" ] && [ -d "/hostroot$LAB_STORE" ]; then
 	mkdir -p /host/tmp/.lab-store/upper /host/tmp/.lab-store/work
 	mkdir -p "/host$LAB_STORE"
-	mount -t overlay overlay -o "lowerdir=/hostroot$LAB_STORE,upperdir=/host/tmp/.lab-store/upper,workdir=/host/tmp/.lab-store/work" "/host$LAB_STORE" ||
+	mount -t overlay overlay -o "lowerdir=/hostroot$LAB_STORE,upperdir=/host/tmp/.lab-store/upper,workdir=/host/tmp/.lab-store/work,redirect_dir=on" "/host$LAB_STORE" ||
 		fail "overlay on the store $LAB_STORE failed"
 	STORE="$LAB_STORE"
 else

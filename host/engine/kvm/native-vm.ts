@@ -90,7 +90,8 @@ export interface NativeVm {
   /** Pauses, captures state and written pages into a diff layer (an unlinked file in dir), resumes. */
   branch(dir: string): NativeBranch;
   /** Guest RAM pages this VM owns alone (private) and shares with the page cache. */
-  memoryUsage(): { guestPrivateBytes: number; guestSharedBytes: number; guestMemfdBytes: number };
+  /** With `frames`, also the guest frame numbers (gpa >> 12) of the pages the VM owns privately (a restored VM). */
+  memoryUsage(opts?: { frames?: boolean }): { guestPrivateBytes: number; guestSharedBytes: number; guestMemfdBytes: number; privateFrames?: Float64Array };
 }
 
 export interface NativeVmClass {

@@ -14,6 +14,7 @@
 #include "vmm/snapshot/checksum.h"
 #include "vmm/snapshot/diff_layer.h"
 #include "vmm/snapshot/kvm_state.h"
+#include "vmm/layout.h"
 #include "vmm/snapshot/pagemap.h"
 #include "vmm/virtio_pci.h"
 #include "vmm/virtio_rng.h"
@@ -415,6 +416,18 @@ MemoryUsage MeasureGuestMemory(const Vm& vm) {
   u.guest_private_bytes = c.private_pages * kPageSize;
   u.guest_shared_bytes = c.shared_pages * kPageSize;
   return u;
+}
+
+std::vector<uint64_t> PrivateGuestFrames(const Vm& vm) {
+  const GuestRam& ram = vm.ram();
+  if (!ram.host() || ram.shared()) return {};
+  std::vector<uint64_t> pages = PrivatePages(ram.host(), ram.size());
+  // RAM is one host mapping; above low_size() it sits at 4 GiB in the guest.
+  const uint64_t low_pages = ram.low_size() / kPageSize;
+  for (uint64_t& p : pages) {
+    if (p >= low_pages) p = p - low_pages + (layout::kHighRam / kPageSize);
+  }
+  return pages;
 }
 
 }  // namespace snapshot

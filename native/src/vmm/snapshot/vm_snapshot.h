@@ -13,6 +13,7 @@
 // written are copied again, its state saved, and it resumes. Children map
 // the template's memory file, the source's layers and the new one.
 #pragma once
+#include <vector>
 #include <memory>
 #include <string>
 
@@ -61,5 +62,9 @@ struct MemoryUsage {
   uint64_t guest_memfd_bytes = 0;    // a booted VM: pages its memfd holds
 };
 MemoryUsage MeasureGuestMemory(const Vm& vm);
+
+// Guest frame numbers (gpa >> 12) of the pages a restored VM owns privately,
+// ascending: what a child has written since its restore (diagnostics).
+std::vector<uint64_t> PrivateGuestFrames(const Vm& vm);
 
 }  // namespace forkling::vmm::snapshot

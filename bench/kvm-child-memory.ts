@@ -1,0 +1,79 @@
+// Where a forked Linux child's private memory goes: the guest pages it owns
+// (pagemap of its RAM mapping) at each step after the fork, then what the
+// guest kernel says those pages are now (/proc/kpageflags and /proc/iomem,
+// read inside the child as root). Needs KVM that boots a stock kernel: run
+// it in the lab,
+//
+//   FORKLING_LAB_COMMAND='node --import tsx bench/kvm-child-memory.ts' npx tsx test/lab/run.ts
+//
+// Options: --image (default), --warmup (Python run in the template).
+import { rmSync } from 'node:fs';
+import { parseArgs } from 'node:util';
+import { KvmEngine } from '../host/engine/kvm/engine.ts';
+import { templateDir } from '../host/engine/kvm/template.ts';
+import type { KvmSandbox } from '../host/engine/kvm/vm.ts';
+import { labRetry } from '../test/kvm/lab-flake.ts';
+
+const { values } = parseArgs({ options: { image: { type: 'string', default: 'default' }, warmup: { type: 'string', default: 'import json, random, uuid' } } });
+
+/** Runs inside the child: sorts the given frames by what the kernel uses them for now. */
+const CLASSIFY = String.raw`
+import json, struct, sys
+frames = json.loads(sys.stdin.read())
+spans = []
+for line in open('/proc/iomem'):
+    rng, _, name = line.strip().partition(' : ')
+    if name in ('Kernel code', 'Kernel rodata', 'Kernel data', 'Kernel bss'):
+        a, b = (int(x, 16) for x in rng.split('-'))
+        spans.append((a >> 12, b >> 12, name))
+BITS = {7: 'slab', 10: 'free (buddy)', 26: 'page table'}
+out = {}
+with open('/proc/kpageflags', 'rb') as f:
+    for pfn in frames:
+        kind = next((n for a, b, n in spans if a <= pfn <= b), None)
+        if kind is None:
+            f.seek(pfn * 8)
+            flags = struct.unpack('<Q', f.read(8))[0]
+            kind = next((n for bit, n in BITS.items() if flags >> bit & 1), None)
+            if kind is None:
+                if flags >> 12 & 1:
+                    kind = 'anonymous (process memory)'
+                elif flags >> 5 & 1:
+                    kind = 'page cache / tmpfs'
+                elif flags >> 15 & 1 or flags >> 16 & 1:
+                    kind = 'compound (other kernel)'
+                else:
+                    kind = 'other kernel (stacks, per-cpu, vmalloc, ...)'
+        out[kind] = out.get(kind, 0) + 1
+print(json.dumps(out))
+`;
+
+function frames(sb: KvmSandbox): number[] {
+  return [...(sb.nativeVm().memoryUsage({ frames: true }).privateFrames ?? [])];
+}
+
+const engine = new KvmEngine();
+const name = `child-memory-${process.pid}`;
+try {
+  await labRetry('template boot', () => engine.createTemplate({ name, image: values.image!, warmup: values.warmup! }));
+  const [child] = await labRetry('fork', () => engine.fork(name, 1));
+  const sb = child!;
+  const steps: [string, number[]][] = [['restore answered (ready)', frames(sb)]];
+  await sb.agent.eval('1');
+  steps.push(['first eval answered', frames(sb)]);
+  await new Promise((r) => setTimeout(r, 2000));
+  steps.push(['idle 2 s later', frames(sb)]);
+  console.log(`\nprivate guest memory of one forked child (image ${values.image}, warm-up ${JSON.stringify(values.warmup)})`);
+  for (const [what, f] of steps) console.log(`  ${what.padEnd(28)} ${String(f.length * 4).padStart(6)} KiB (${f.length} pages)`);
+  const last = steps[steps.length - 1]![1];
+  const r = await sb.agent.exec(['python3', '-c', CLASSIFY], { stdin: new TextEncoder().encode(JSON.stringify(last)) });
+  if (r.exitCode !== 0) throw new Error(`classifying inside the guest failed: ${new TextDecoder().decode(r.stderr)}`);
+  const kinds = JSON.parse(new TextDecoder().decode(r.stdout)) as Record<string, number>;
+  console.log('  what those pages hold now (guest /proc/kpageflags, /proc/iomem):');
+  for (const [k, n] of Object.entries(kinds).sort((a, b) => b[1] - a[1])) console.log(`    ${k.padEnd(46)} ${String(n * 4).padStart(6)} KiB`);
+  await sb.kill();
+} finally {
+  await engine.close();
+  rmSync(templateDir(name), { recursive: true, force: true });
+}
+process.exit(0);
