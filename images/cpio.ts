@@ -5,7 +5,9 @@
 // their link (data on the last member of a group, as GNU cpio writes it; the
 // kernel links later members to the first and appends). mtimes, modes and
 // owners are taken from the tree as it is: the builder normalizes mtimes
-// beforehand, so the same tree gives the same bytes.
+// beforehand, so the same tree gives the same bytes. cpioArchive writes the
+// same format from members listed in memory (no tree, no privileges needed
+// for a device node).
 import { closeSync, lstatSync, openSync, readdirSync, readlinkSync, readSync, type Stats } from 'node:fs';
 import { join } from 'node:path';
 
@@ -65,6 +67,8 @@ function header(f: {
 }
 
 const pad = (n: number): Buffer => Buffer.alloc((4 - (n % 4)) % 4);
+
+const TRAILER = { ino: 0, mode: 0, uid: 0, gid: 0, nlink: 1, mtime: 0, size: 0, rdevMajor: 0, rdevMinor: 0, name: 'TRAILER!!!' };
 
 // Linux dev_t encoding (glibc's gnu_dev_major/minor) for device nodes.
 const devMajor = (d: number): number => Number(((BigInt(d) >> 8n) & 0xfffn) | ((BigInt(d) >> 32n) & ~0xfffn));
@@ -145,8 +149,39 @@ export async function writeCpio(root: string, sink: (chunk: Buffer) => Promise<v
       throw new Error(`cannot archive ${e.path}: unsupported file type`);
     }
   }
-  await emit(header({ ino: 0, mode: 0, uid: 0, gid: 0, nlink: 1, mtime: 0, size: 0, rdevMajor: 0, rdevMinor: 0, name: 'TRAILER!!!' }));
+  await emit(header(TRAILER));
   return { entries: entries.length, dataBytes, archiveBytes };
+}
+
+/** A member given in memory rather than read from a tree (paths relative to the root). */
+export type CpioMember =
+  | { kind: 'dir'; path: string; mode?: number }
+  | { kind: 'file'; path: string; data: Uint8Array; mode?: number }
+  | { kind: 'symlink'; path: string; target: string }
+  | { kind: 'chardev'; path: string; major: number; minor: number; mode?: number };
+
+/**
+ * The archive of `members` in the order given (a parent before its children),
+ * each owned by root with mtime 0 and one link: for small archives put
+ * together in memory, such as the KVM lab's initramfs.
+ */
+export function cpioArchive(members: CpioMember[]): Buffer {
+  const parts: Buffer[] = [];
+  let ino = 1;
+  const record = (name: string, mode: number, data: Uint8Array, rdevMajor = 0, rdevMinor = 0): void => {
+    parts.push(header({ ino: ino++, mode, uid: 0, gid: 0, nlink: 1, mtime: 0, size: data.length, rdevMajor, rdevMinor, name }));
+    parts.push(Buffer.from(data.buffer, data.byteOffset, data.byteLength), pad(data.length));
+  };
+  for (const m of members) {
+    const path = m.path.replace(/^\/+/, '');
+    if (path === '' || path.split('/').includes('..')) throw new Error(`bad cpio path: ${m.path}`);
+    if (m.kind === 'dir') record(path, 0o040000 | (m.mode ?? 0o755), new Uint8Array());
+    else if (m.kind === 'file') record(path, 0o100000 | (m.mode ?? 0o644), m.data);
+    else if (m.kind === 'symlink') record(path, 0o120777, Buffer.from(m.target));
+    else record(path, 0o020000 | (m.mode ?? 0o600), new Uint8Array(), m.major, m.minor);
+  }
+  parts.push(header(TRAILER));
+  return Buffer.concat(parts);
 }
 
 /** Names in a newc archive (uncompressed), for checks and tests. */

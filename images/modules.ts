@@ -118,25 +118,35 @@ function builtinModules(modulesDir: string): Set<string> {
   );
 }
 
+export interface ResolvedModule {
+  /** module name as the kernel knows it (underscores) */
+  name: string;
+  /** path of the packaged (maybe compressed) file relative to modulesDir */
+  rel: string;
+  /** the module, uncompressed */
+  ko: Buffer;
+  /** names of the modules it depends on */
+  depends: string[];
+}
+
 /**
- * Copies the wanted modules (uncompressed, so finit_module needs no in-kernel
- * decompression) and their dependencies from `modulesDir` (lib/modules/<release>)
- * into `root` at `destRel` (e.g. usr/lib/modules/<release>), checking each
- * module's vermagic against `release`. Returns them in load order.
+ * The wanted modules and their dependencies from `modulesDir`
+ * (lib/modules/<release>), uncompressed, dependencies first, each module's
+ * vermagic checked against `release`. `missingHint` is what the user is told
+ * when the kernel has a wanted module neither as a file nor built in.
  */
-export function installModules(
+export function resolveModules(
   modulesDir: string,
   release: string,
-  root: string,
-  destRel: string,
   wanted: readonly string[] = GUEST_MODULES,
-): ModuleSelection {
+  missingHint = 'use a kernel with virtio, virtio-pci/mmio, vsock and virtio-rng enabled',
+): { modules: ResolvedModule[]; builtin: string[] } {
   if (!existsSync(join(modulesDir, 'kernel'))) {
     throw new UserError(`no kernel modules at ${modulesDir}`, 'the kernel package looks incomplete; remove the kernel cache and retry');
   }
   const idx = indexModules(modulesDir);
   const builtin = builtinModules(modulesDir);
-  const modules: GuestModule[] = [];
+  const modules: ResolvedModule[] = [];
   const done = new Set<string>();
   const builtinHit: string[] = [];
   const visit = (name: string, chain: string[]): void => {
@@ -150,10 +160,7 @@ export function installModules(
         builtinHit.push(n);
         return;
       }
-      throw new UserError(
-        `kernel ${release} has no module ${n}${chain.length ? ` (needed by ${chain.at(-1)})` : ''} and does not build it in`,
-        'use a kernel with virtio, virtio-pci/mmio, vsock and virtio-rng enabled',
-      );
+      throw new UserError(`kernel ${release} has no module ${n}${chain.length ? ` (needed by ${chain.at(-1)})` : ''} and does not build it in`, missingHint);
     }
     const ko = decompress(join(modulesDir, rel));
     const info = readModinfo(ko, rel);
@@ -163,10 +170,7 @@ export function installModules(
     }
     const depends = (info.get('depends')?.[0] ?? '').split(',').filter(Boolean).map(norm);
     for (const d of depends) visit(d, [...chain, n]);
-    const outRel = `${destRel}/${rel.replace(KO_RE, '.ko')}`;
-    mkdirSync(dirname(join(root, outRel)), { recursive: true });
-    writeFileSync(join(root, outRel), ko, { mode: 0o644 });
-    modules.push({ name: n, path: outRel, depends, size: ko.length });
+    modules.push({ name: n, rel, ko, depends });
     done.add(n);
   };
   for (const w of wanted) {
@@ -175,6 +179,29 @@ export function installModules(
     visit(w, []);
   }
   return { modules, builtin: builtinHit };
+}
+
+/**
+ * Copies the wanted modules (uncompressed, so finit_module needs no in-kernel
+ * decompression) and their dependencies from `modulesDir` (lib/modules/<release>)
+ * into `root` at `destRel` (e.g. usr/lib/modules/<release>), checking each
+ * module's vermagic against `release`. Returns them in load order.
+ */
+export function installModules(
+  modulesDir: string,
+  release: string,
+  root: string,
+  destRel: string,
+  wanted: readonly string[] = GUEST_MODULES,
+): ModuleSelection {
+  const { modules, builtin } = resolveModules(modulesDir, release, wanted);
+  const installed = modules.map(({ name, rel, ko, depends }): GuestModule => {
+    const outRel = `${destRel}/${rel.replace(KO_RE, '.ko')}`;
+    mkdirSync(dirname(join(root, outRel)), { recursive: true });
+    writeFileSync(join(root, outRel), ko, { mode: 0o644 });
+    return { name, path: outRel, depends, size: ko.length };
+  });
+  return { modules: installed, builtin };
 }
 
 /** /etc/forkling/modules: one `<path relative to /> [params]` line per module, in load order. */

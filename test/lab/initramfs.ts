@@ -3,104 +3,22 @@
 // from the same distribution kernel package. Cached under <repo>/.lab/ by a
 // key over all inputs; per-run settings go into a small second archive that is
 // appended (the kernel unpacks concatenated archives in order).
-import { spawnSync } from 'node:child_process';
 import { createHash } from 'node:crypto';
 import { existsSync, mkdirSync, readdirSync, readFileSync, rmSync, statSync, writeFileSync } from 'node:fs';
-import { basename, dirname, join } from 'node:path';
+import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { gzipSync } from 'node:zlib';
 import { UserError } from '../../host/errors.ts';
 import { writeFileAtomic } from '../../host/store.ts';
+import { type CpioMember, cpioArchive } from '../../images/cpio.ts';
 import type { DistroKernel } from '../../images/kernel.ts';
-import { type CpioEntry, cpioArchive } from './cpio.ts';
+import { resolveModules } from '../../images/modules.ts';
 
 const HERE = dirname(fileURLToPath(import.meta.url));
 /** Bump when the layout of the archive changes in a way the inputs do not show. */
 const FORMAT = 1;
 /** What the lab needs; their dependencies are found from each module's own modinfo. */
 const WANTED = ['kvm_amd', 'virtio_pci', '9pnet_virtio', '9p', 'overlay'];
-
-const normal = (name: string) => name.replace(/-/g, '_');
-
-interface Module {
-  name: string;
-  path: string;
-}
-
-/** Index of the package's modules by normalised name (kvm-amd -> kvm_amd). */
-function indexModules(modulesDir: string): Map<string, Module> {
-  const index = new Map<string, Module>();
-  const walk = (dir: string) => {
-    for (const e of readdirSync(dir, { withFileTypes: true })) {
-      const p = join(dir, e.name);
-      if (e.isDirectory()) walk(p);
-      else {
-        const m = /^(.*)\.ko(\.xz|\.zst|\.gz)?$/.exec(e.name);
-        if (m?.[1]) index.set(normal(m[1]), { name: normal(m[1]), path: p });
-      }
-    }
-  };
-  walk(join(modulesDir, 'kernel'));
-  return index;
-}
-
-function builtinModules(modulesDir: string): Set<string> {
-  const f = join(modulesDir, 'modules.builtin');
-  if (!existsSync(f)) return new Set();
-  return new Set(
-    readFileSync(f, 'utf8')
-      .split('\n')
-      .filter(Boolean)
-      .map((l) => normal(basename(l).replace(/\.ko.*$/, ''))),
-  );
-}
-
-/** The module file's contents, decompressed (busybox insmod takes plain .ko only). */
-function moduleBytes(path: string): Buffer {
-  if (path.endsWith('.ko')) return readFileSync(path);
-  const tool = path.endsWith('.xz') ? 'xz' : path.endsWith('.zst') ? 'zstd' : 'gzip';
-  const pkg = tool === 'xz' ? 'xz-utils' : tool;
-  const r = spawnSync(tool, ['-dc', path], { maxBuffer: 256 * 1024 * 1024 });
-  if (r.error || r.status !== 0 || !r.stdout?.length) {
-    throw new UserError(`cannot decompress ${path} with ${tool}`, `install it with: apt-get install ${pkg}`);
-  }
-  return r.stdout;
-}
-
-/** `depends=` from the module's .modinfo section. */
-function moduleDepends(bytes: Buffer): string[] {
-  const i = bytes.indexOf('\0depends=');
-  if (i < 0) return [];
-  const start = i + '\0depends='.length;
-  const end = bytes.indexOf(0, start);
-  return bytes
-    .subarray(start, end)
-    .toString('latin1')
-    .split(',')
-    .filter(Boolean)
-    .map(normal);
-}
-
-/** Modules in load order (dependencies first), with their decompressed bytes. */
-export function resolveModules(modulesDir: string, wanted = WANTED): { name: string; bytes: Buffer }[] {
-  const index = indexModules(modulesDir);
-  const builtin = builtinModules(modulesDir);
-  const order: { name: string; bytes: Buffer }[] = [];
-  const state = new Map<string, 'visiting' | 'done'>();
-  const visit = (name: string, chain: string[]) => {
-    if (state.get(name) === 'done' || builtin.has(name)) return;
-    if (state.get(name) === 'visiting') throw new Error(`module dependency cycle: ${[...chain, name].join(' -> ')}`);
-    const mod = index.get(name);
-    if (!mod) throw new UserError(`kernel module ${name} is not in ${modulesDir}`, `the lab needs ${chain.concat(name).join(' -> ')}`);
-    state.set(name, 'visiting');
-    const bytes = moduleBytes(mod.path);
-    for (const dep of moduleDepends(bytes)) visit(dep, [...chain, name]);
-    state.set(name, 'done');
-    order.push({ name, bytes });
-  };
-  for (const w of wanted) visit(normal(w), []);
-  return order;
-}
 
 /** Path of static busybox; a dynamic one cannot run in the bare initramfs. */
 function findBusybox(): string {
@@ -139,16 +57,16 @@ export function baseInitramfs(labDir: string, kernel: DistroKernel): LabInitramf
   if (existsSync(path) && existsSync(listPath) && statSync(path).size > 0) {
     return { path, cached: true, modules: readFileSync(listPath, 'utf8').split('\n').filter(Boolean) };
   }
-  const modules = resolveModules(kernel.modulesDir);
-  const entries: CpioEntry[] = [
-    ...['bin', 'sbin', 'dev', 'proc', 'sys', 'tmp', 'host', 'modules'].map((d): CpioEntry => ({ kind: 'dir', path: d })),
+  const { modules } = resolveModules(kernel.modulesDir, kernel.release, WANTED, `the KVM lab needs ${WANTED.join(', ')} from the distribution kernel`);
+  const entries: CpioMember[] = [
+    ...['bin', 'sbin', 'dev', 'proc', 'sys', 'tmp', 'host', 'modules'].map((d): CpioMember => ({ kind: 'dir', path: d })),
     // The kernel opens /dev/console for init before devtmpfs is mounted.
     { kind: 'chardev', path: 'dev/console', major: 5, minor: 1 },
     { kind: 'file', path: 'bin/busybox', data: bb, mode: 0o755 },
     { kind: 'symlink', path: 'bin/sh', target: 'busybox' },
     { kind: 'file', path: 'init', data: init, mode: 0o755 },
     { kind: 'file', path: 'modules/order', data: Buffer.from(modules.map((m) => m.name).join('\n') + '\n') },
-    ...modules.map((m): CpioEntry => ({ kind: 'file', path: `modules/${m.name}.ko`, data: m.bytes })),
+    ...modules.map((m): CpioMember => ({ kind: 'file', path: `modules/${m.name}.ko`, data: m.ko })),
   ];
   mkdirSync(labDir, { recursive: true });
   for (const f of readdirSync(labDir)) if (f.startsWith('initramfs-')) rmSync(join(labDir, f), { force: true });

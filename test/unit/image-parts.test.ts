@@ -10,7 +10,7 @@ import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import { UserError } from '../../host/errors.ts';
 import { agentDiffers, pack, readAgent } from '../../images/build.ts';
-import { listCpio, writeCpio } from '../../images/cpio.ts';
+import { cpioArchive, listCpio, writeCpio } from '../../images/cpio.ts';
 import { inspectKernelFile } from '../../images/kernelfile.ts';
 import type { ImageManifest } from '../../images/manifest.ts';
 
@@ -98,6 +98,40 @@ test('cpio: a socket is refused', async () => {
   } finally {
     srv.close();
   }
+});
+
+test('cpio: members from memory: newc records, 4-byte alignment and trailer', () => {
+  const a = cpioArchive([
+    { kind: 'dir', path: 'bin' },
+    { kind: 'file', path: '/bin/x', data: Buffer.from('hello'), mode: 0o755 },
+    { kind: 'chardev', path: 'dev/console', major: 5, minor: 1 },
+  ]);
+  assert.is(a.length % 4, 0);
+  const names: string[] = [];
+  let off = 0;
+  for (;;) {
+    assert.is(a.subarray(off, off + 6).toString('ascii'), '070701', `magic at ${off}`);
+    const field = (i: number) => Number.parseInt(a.subarray(off + 6 + i * 8, off + 14 + i * 8).toString('ascii'), 16);
+    const mode = field(1);
+    const size = field(6);
+    const nameSize = field(11);
+    const rdev = [field(9), field(10)];
+    const name = a.subarray(off + 110, off + 110 + nameSize - 1).toString();
+    names.push(name);
+    off += 110 + nameSize;
+    off += (4 - (off % 4)) % 4;
+    if (name === 'bin/x') {
+      assert.is(mode, 0o100755);
+      assert.is(a.subarray(off, off + size).toString(), 'hello');
+    }
+    if (name === 'dev/console') assert.equal(rdev, [5, 1]);
+    off += size;
+    off += (4 - (off % 4)) % 4;
+    if (name === 'TRAILER!!!') break;
+  }
+  assert.equal(names, ['bin', 'bin/x', 'dev/console', 'TRAILER!!!']);
+  assert.is(off, a.length);
+  assert.throws(() => cpioArchive([{ kind: 'dir', path: '../etc' }]), /bad cpio path/);
 });
 
 test('pack: zstd and gzip are deterministic and hold the archive', async () => {

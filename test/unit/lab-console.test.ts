@@ -1,8 +1,7 @@
-// The KVM lab's pieces that run without qemu: console parsing and the cpio writer.
+// The KVM lab's console parsing, which runs without qemu.
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import { LabConsole } from '../lab/console.ts';
-import { cpioArchive } from '../lab/cpio.ts';
 
 function feedAll(lines: string[], chunk = 7): LabConsole {
   let t = 0;
@@ -48,40 +47,6 @@ test('console: set-up failures and a missing summary', () => {
   assert.ok(t.outcome.innerTimeout);
   assert.is(t.outcome.summary, null);
   assert.is(t.outcome.exitCode, 137);
-});
-
-test('cpio: newc records, 4-byte alignment and trailer', () => {
-  const a = cpioArchive([
-    { kind: 'dir', path: 'bin' },
-    { kind: 'file', path: '/bin/x', data: Buffer.from('hello'), mode: 0o755 },
-    { kind: 'chardev', path: 'dev/console', major: 5, minor: 1 },
-  ]);
-  assert.is(a.length % 4, 0);
-  const names: string[] = [];
-  let off = 0;
-  for (;;) {
-    assert.is(a.subarray(off, off + 6).toString('ascii'), '070701', `magic at ${off}`);
-    const field = (i: number) => Number.parseInt(a.subarray(off + 6 + i * 8, off + 14 + i * 8).toString('ascii'), 16);
-    const mode = field(1);
-    const size = field(6);
-    const nameSize = field(11);
-    const rdev = [field(9), field(10)];
-    const name = a.subarray(off + 110, off + 110 + nameSize - 1).toString();
-    names.push(name);
-    off += 110 + nameSize;
-    off += (4 - (off % 4)) % 4;
-    if (name === 'bin/x') {
-      assert.is(mode, 0o100755);
-      assert.is(a.subarray(off, off + size).toString(), 'hello');
-    }
-    if (name === 'dev/console') assert.equal(rdev, [5, 1]);
-    off += size;
-    off += (4 - (off % 4)) % 4;
-    if (name === 'TRAILER!!!') break;
-  }
-  assert.equal(names, ['bin', 'bin/x', 'dev/console', 'TRAILER!!!']);
-  assert.is(off, a.length);
-  assert.throws(() => cpioArchive([{ kind: 'dir', path: '../etc' }]), /bad cpio path/);
 });
 
 test.run();
