@@ -26,8 +26,8 @@ export function diffDir(): string {
 
 export type BranchFigures = Omit<NativeBranch, 'snapshot'>;
 
-export async function branchChildren(source: KvmSandbox, n: number): Promise<{ children: KvmSandbox[]; figures: BranchFigures }> {
+export async function branchChildren(source: KvmSandbox, n: number, readyTimeoutMs?: number): Promise<{ children: KvmSandbox[]; figures: BranchFigures }> {
   const { snapshot, ...figures } = source.nativeVm().branch(diffDir());
-  const children = await startChildren(snapshot, n, { prefix: 'br' });
+  const children = await startChildren(snapshot, n, { prefix: 'br', readyTimeoutMs });
   return { children, figures };
 }

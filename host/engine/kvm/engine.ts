@@ -61,10 +61,17 @@ function checkResources(memoryMiB: number, vcpus: number): void {
   }
 }
 
+export interface KvmEngineOptions {
+  /** How long each fork or branch child may take to answer restore (default CHILD_READY_TIMEOUT_MS; an emulated lab needs minutes for 100). */
+  childReadyTimeoutMs?: number;
+}
+
 export class KvmEngine implements Engine {
   readonly name = 'kvm' as const;
   readonly isolation = KVM_ISOLATION;
   private readonly live = new Set<KvmSandbox>();
+
+  constructor(private readonly opts: KvmEngineOptions = {}) {}
 
   async boot(opts: KvmBootOptions): Promise<KvmSandbox> {
     const memoryMiB = opts.memoryMiB ?? DEFAULT_MEMORY_MIB;
@@ -128,12 +135,12 @@ export class KvmEngine implements Engine {
       await p;
     }
     const { snapshot } = loadTemplate(template);
-    return this.track(await startChildren(snapshot, n, { prefix: 'vm' }));
+    return this.track(await startChildren(snapshot, n, { prefix: 'vm', readyTimeoutMs: this.opts.childReadyTimeoutMs }));
   }
 
   async branch(source: Sandbox, n: number): Promise<KvmSandbox[]> {
     if (!(source instanceof KvmSandbox) || !this.live.has(source)) throw new UserError('branch: the source is not a live sandbox of this kvm engine');
-    const { children, figures } = await branchChildren(source, n);
+    const { children, figures } = await branchChildren(source, n, this.opts.childReadyTimeoutMs);
     this.lastBranch = figures;
     return this.track(children);
   }
