@@ -6,7 +6,9 @@
 //
 //   FORKLING_LAB_COMMAND='node --import tsx bench/kvm-child-memory.ts' npx tsx test/lab/run.ts
 //
-// Options: --image (default), --warmup (Python run in the template).
+// Options: --image (default), --warmup (Python run in the template),
+// --no-init-on-free (the template's kernel without init_on_free=1: freed
+// pages are then not zeroed, so a child does not copy pages just to free them).
 import { rmSync } from 'node:fs';
 import { parseArgs } from 'node:util';
 import { KvmEngine } from '../host/engine/kvm/engine.ts';
@@ -14,7 +16,13 @@ import { templateDir } from '../host/engine/kvm/template.ts';
 import type { KvmSandbox } from '../host/engine/kvm/vm.ts';
 import { labRetry } from '../test/kvm/lab-flake.ts';
 
-const { values } = parseArgs({ options: { image: { type: 'string', default: 'default' }, warmup: { type: 'string', default: 'import json, random, uuid' } } });
+const { values } = parseArgs({
+  options: {
+    image: { type: 'string', default: 'default' },
+    warmup: { type: 'string', default: 'import json, random, uuid' },
+    'no-init-on-free': { type: 'boolean', default: false },
+  },
+});
 
 /** Runs inside the child: sorts the given frames by what the kernel uses them for now. */
 const CLASSIFY = String.raw`
@@ -55,7 +63,9 @@ function frames(sb: KvmSandbox): number[] {
 const engine = new KvmEngine();
 const name = `child-memory-${process.pid}`;
 try {
-  await labRetry('template boot', () => engine.createTemplate({ name, image: values.image!, warmup: values.warmup! }));
+  await labRetry('template boot', () =>
+    engine.createTemplate({ name, image: values.image!, warmup: values.warmup!, boot: { initOnFree: !values['no-init-on-free'] } }),
+  );
   const [child] = await labRetry('fork', () => engine.fork(name, 1));
   const sb = child!;
   const steps: [string, number[]][] = [['restore answered (ready)', frames(sb)]];
@@ -63,7 +73,9 @@ try {
   steps.push(['first eval answered', frames(sb)]);
   await new Promise((r) => setTimeout(r, 2000));
   steps.push(['idle 2 s later', frames(sb)]);
-  console.log(`\nprivate guest memory of one forked child (image ${values.image}, warm-up ${JSON.stringify(values.warmup)})`);
+  console.log(
+    `\nprivate guest memory of one forked child (image ${values.image}, warm-up ${JSON.stringify(values.warmup)}, init_on_free=${values['no-init-on-free'] ? 0 : 1})`,
+  );
   for (const [what, f] of steps) console.log(`  ${what.padEnd(28)} ${String(f.length * 4).padStart(6)} KiB (${f.length} pages)`);
   const last = steps[steps.length - 1]![1];
   const r = await sb.agent.exec(['python3', '-c', CLASSIFY], { stdin: new TextEncoder().encode(JSON.stringify(last)) });

@@ -115,13 +115,15 @@ export class KvmEngine implements Engine {
   lastBranch: BranchFigures | null = null;
   private readonly creatingTemplates = new Map<string, Promise<TemplateInfo>>();
 
-  async createTemplate(opts: TemplateOptions): Promise<TemplateInfo> {
+  /** `boot` tunes the template VM's kernel (its children inherit that kernel as it is). */
+  async createTemplate(opts: TemplateOptions & { boot?: Pick<KvmBootOptions, 'initOnFree' | 'kernelArgs'> }): Promise<TemplateInfo> {
     const memoryMiB = opts.memoryMiB ?? DEFAULT_MEMORY_MIB;
     const vcpus = opts.vcpus ?? 1;
     checkResources(memoryMiB, vcpus);
     const problem = kvmHostProblem();
     if (problem) throw new UserError(problem, 'run `forkling doctor` for this host; use --engine process here, or run the KVM tests in the lab (npm run test:kvm); FORKLING_ALLOW_PVM=1 tries anyway');
-    return createKvmTemplate((o) => this.boot(o), { ...opts, memoryMiB, vcpus });
+    const { boot, ...templateOpts } = opts;
+    return createKvmTemplate((o) => this.boot({ ...o, ...boot }), { ...templateOpts, memoryMiB, vcpus });
   }
 
   async fork(template: string, n: number): Promise<KvmSandbox[]> {
