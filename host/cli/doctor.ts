@@ -1,20 +1,15 @@
 // `forkling doctor`: one line per check (pass/warn/fail) and how to fix what fails.
-import { parseArgs } from 'node:util';
-import { runChecks, type Check } from '../doctor/checks.ts';
+import { type Check, runChecks } from '../doctor/checks.ts';
 import { UserError } from '../errors.ts';
+import { parseCommandLine } from './args.ts';
 
 const MARK: Record<Check['status'], string> = { pass: 'pass', warn: 'warn', fail: 'FAIL' };
 
 export async function doctorCommand(argv: string[]): Promise<number> {
-  let values: { json?: boolean; engine?: string; help?: boolean };
-  try {
-    ({ values } = parseArgs({
-      args: argv,
-      options: { json: { type: 'boolean' }, engine: { type: 'string' }, help: { type: 'boolean', short: 'h' } },
-    }));
-  } catch (e) {
-    throw new UserError((e as Error).message, 'usage: forkling doctor [--json] [--engine kvm|process|auto]');
-  }
+  const { values } = parseCommandLine(
+    { args: argv, options: { json: { type: 'boolean' }, engine: { type: 'string' }, help: { type: 'boolean', short: 'h' } } },
+    'usage: forkling doctor [--json] [--engine kvm|process|auto]',
+  );
   if (values.help) {
     console.log('usage: forkling doctor [--json] [--engine kvm|process|auto]\n\nChecks this host for both engines; exits non-zero when the chosen engine cannot run.');
     return 0;

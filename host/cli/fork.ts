@@ -2,10 +2,10 @@
 // template, each running the code or command; prints timings, memory per
 // child (measured while the children are alive) and every child's result.
 // Generic over the Engine interface (kvm or process, chosen by --engine).
-import { parseArgs } from 'node:util';
 import type { Sandbox } from '../engine/engine.ts';
 import { openEngine } from '../engine/select.ts';
 import { checkName, UserError } from '../errors.ts';
+import { parseCommandLine } from './args.ts';
 import { intOption } from './template.ts';
 
 const USAGE = 'usage: forkling fork <template> -n <N> [--eval <python code> | --exec <command>] [--json] [--keep] [--engine kvm|process|auto]';
@@ -97,13 +97,7 @@ function printTable(rep: ForkReport): void {
 }
 
 export async function forkCommand(argv: string[]): Promise<number> {
-  let parsed: ReturnType<typeof parseArgs<{ args: string[]; options: typeof OPTIONS; allowPositionals: true }>>;
-  try {
-    parsed = parseArgs({ args: argv, options: OPTIONS, allowPositionals: true });
-  } catch (e) {
-    throw new UserError((e as Error).message, USAGE);
-  }
-  const { values, positionals } = parsed;
+  const { values, positionals } = parseCommandLine({ args: argv, options: OPTIONS, allowPositionals: true }, USAGE);
   if (values.help) {
     console.log(HELP);
     return 0;

@@ -1,7 +1,7 @@
 // `forkling image build|ls|inspect|rm`: guest images in the store.
-import { parseArgs } from 'node:util';
 import { UserError } from '../errors.ts';
 import { type BuildStep, buildImage, listImages, loadImage, removeImage, verifyImage } from '../images.ts';
+import { parseSubcommand } from './args.ts';
 
 const USAGE = `usage:
   forkling image build <name> [--extra <package>]... [--kernel <path>] [--json]
@@ -29,18 +29,7 @@ const OPTIONS = {
 } as const;
 
 /** Parses the options, refusing those `sub` does not take. */
-function parse(sub: string, argv: string[], allowed: (keyof typeof OPTIONS)[]) {
-  let r: ReturnType<typeof parseArgs<{ args: string[]; options: typeof OPTIONS; allowPositionals: true }>>;
-  try {
-    r = parseArgs({ args: argv, options: OPTIONS, allowPositionals: true });
-  } catch (e) {
-    throw new UserError((e as Error).message, USAGE);
-  }
-  for (const k of Object.keys(r.values) as (keyof typeof OPTIONS)[]) {
-    if (k !== 'help' && !allowed.includes(k)) throw new UserError(`image ${sub} does not take --${k}`, USAGE);
-  }
-  return r;
-}
+const parse = (sub: string, argv: string[], allowed: (keyof typeof OPTIONS)[]) => parseSubcommand(`image ${sub}`, argv, OPTIONS, allowed, USAGE);
 
 function oneName(positionals: string[], sub: string): string {
   if (positionals.length !== 1) throw new UserError(`image ${sub} takes exactly one image name`, USAGE);

@@ -2,11 +2,11 @@
 // [--vcpus <n>] [--json] [--console]`: boots the image to a ready agent (it
 // answered hello), runs the code or command, powers the sandbox off cleanly
 // and prints the result.
-import { parseArgs } from 'node:util';
 import type { ExitInfo, Sandbox } from '../engine/engine.ts';
 import { KvmSandbox } from '../engine/kvm/vm.ts';
 import { openEngine } from '../engine/select.ts';
 import { UserError } from '../errors.ts';
+import { parseCommandLine } from './args.ts';
 
 const USAGE =
   'usage: forkling run <image> [--eval <code>] [--exec <command>] [--memory <MiB>] [--vcpus <n>] [--timeout <s>] [--engine kvm|process|auto] [--json] [--console]';
@@ -41,9 +41,8 @@ const rssKiB = () => Math.round(process.memoryUsage().rss / 1024);
 const dec = new TextDecoder();
 
 export async function runCommand(argv: string[]): Promise<number> {
-  let parsed: ReturnType<typeof parse>;
-  function parse() {
-    return parseArgs({
+  const { values, positionals } = parseCommandLine(
+    {
       args: argv,
       allowPositionals: true,
       options: {
@@ -57,14 +56,9 @@ export async function runCommand(argv: string[]): Promise<number> {
         console: { type: 'boolean' },
         help: { type: 'boolean', short: 'h' },
       },
-    });
-  }
-  try {
-    parsed = parse();
-  } catch (e) {
-    throw new UserError((e as Error).message, USAGE);
-  }
-  const { values, positionals } = parsed;
+    },
+    USAGE,
+  );
   if (values.help) {
     console.log(HELP);
     return 0;

@@ -2,7 +2,7 @@
 // REST /v1/, /healthz, /metrics). The first line on stdout, once the socket
 // is bound, is exactly `listening <url>` (e.g. `listening http://127.0.0.1:4780`);
 // tools and tests read the port from it. Logs go to stderr.
-import { parseArgs } from 'node:util';
+import { DEFAULT_MAX_IN_FLIGHT } from '../../protocol/server-ops.ts';
 import { openEngine } from '../engine/select.ts';
 import { UserError } from '../errors.ts';
 import { callAgentClient } from '../server/agent-bridge.ts';
@@ -12,7 +12,7 @@ import { DEFAULT_LISTEN, isLoopback, parseListen } from '../server/listen.ts';
 import { SandboxManager } from '../server/manager.ts';
 import { ForklingServer } from '../server/server.ts';
 import { ServerMetrics } from '../server/telemetry.ts';
-import { DEFAULT_MAX_IN_FLIGHT } from '../../protocol/server-ops.ts';
+import { parseCommandLine } from './args.ts';
 
 const USAGE = `usage: forkling serve [options]
 
@@ -39,9 +39,8 @@ function positiveInt(name: string, v: string | undefined, dflt: number, min = 1)
 }
 
 export async function serveCommand(argv: string[]): Promise<number> {
-  let values: Record<string, string | boolean | undefined>;
-  try {
-    ({ values } = parseArgs({
+  const { values }: { values: Record<string, string | boolean | undefined> } = parseCommandLine(
+    {
       args: argv,
       options: {
         listen: { type: 'string' },
@@ -58,10 +57,9 @@ export async function serveCommand(argv: string[]): Promise<number> {
         'tls-key': { type: 'string' },
         help: { type: 'boolean', short: 'h' },
       },
-    }));
-  } catch (e) {
-    throw new UserError((e as Error).message, 'run `forkling serve --help` for the options');
-  }
+    },
+    'run `forkling serve --help` for the options',
+  );
   if (values.help) {
     console.log(USAGE);
     return 0;

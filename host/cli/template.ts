@@ -4,11 +4,11 @@
 // (kvm: templates/<name>/template.json next to its state and memory files;
 // process: process-templates/<name>.json).
 import { existsSync, readdirSync, readFileSync, rmSync } from 'node:fs';
-import { parseArgs } from 'node:util';
 import type { TemplateInfo } from '../engine/engine.ts';
 import { openEngine } from '../engine/select.ts';
 import { checkName, UserError } from '../errors.ts';
 import { storePath } from '../store.ts';
+import { parseSubcommand } from './args.ts';
 
 const USAGE = `usage:
   forkling template create <name> [--image <image>] [--warmup <python code>] [--memory <MiB>] [--vcpus <n>] [--engine kvm|process|auto] [--json]
@@ -33,18 +33,8 @@ const OPTIONS = {
   help: { type: 'boolean', short: 'h' },
 } as const;
 
-function parse(sub: string, argv: string[], allowed: (keyof typeof OPTIONS)[]) {
-  let r: ReturnType<typeof parseArgs<{ args: string[]; options: typeof OPTIONS; allowPositionals: true }>>;
-  try {
-    r = parseArgs({ args: argv, options: OPTIONS, allowPositionals: true });
-  } catch (e) {
-    throw new UserError((e as Error).message, USAGE);
-  }
-  for (const k of Object.keys(r.values) as (keyof typeof OPTIONS)[]) {
-    if (k !== 'help' && !allowed.includes(k)) throw new UserError(`template ${sub} does not take --${k}`, USAGE);
-  }
-  return r;
-}
+/** Parses the options, refusing those `sub` does not take. */
+const parse = (sub: string, argv: string[], allowed: (keyof typeof OPTIONS)[]) => parseSubcommand(`template ${sub}`, argv, OPTIONS, allowed, USAGE);
 
 /** A positive integer option within [min, max], or undefined when absent. */
 export function intOption(name: string, v: string | undefined, min: number, max: number): number | undefined {

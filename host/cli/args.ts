@@ -1,0 +1,29 @@
+// Command-line parsing shared by the CLI commands: node's parseArgs, with a
+// malformed command line (unknown option, missing value, stray argument)
+// turned into a UserError whose hint tells how to call the command.
+import { type ParseArgsConfig, parseArgs } from 'node:util';
+import { UserError } from '../errors.ts';
+
+type ParseArgsOptions = NonNullable<ParseArgsConfig['options']>;
+
+/** parseArgs(config); what it refuses becomes a UserError with `hint`. */
+export function parseCommandLine<T extends ParseArgsConfig>(config: T, hint: string): ReturnType<typeof parseArgs<T>> {
+  try {
+    return parseArgs(config);
+  } catch (e) {
+    throw new UserError((e as Error).message, hint);
+  }
+}
+
+/**
+ * For a command whose subcommands share one option table: parses `argv`
+ * (positionals allowed) and refuses any option but --help that `allowed`
+ * does not list, as "<command> does not take --<option>".
+ */
+export function parseSubcommand<O extends ParseArgsOptions>(command: string, argv: string[], options: O, allowed: readonly (keyof O)[], usage: string) {
+  const r = parseCommandLine({ args: argv, options, allowPositionals: true }, usage);
+  for (const k of Object.keys(r.values)) {
+    if (k !== 'help' && !allowed.includes(k)) throw new UserError(`${command} does not take --${k}`, usage);
+  }
+  return r;
+}
