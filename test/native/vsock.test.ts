@@ -183,6 +183,18 @@ class Guest {
     return found!;
   }
 
+  /** Waits for the event queue to carry the transport reset event (id 0), and nothing else. */
+  async resetEvent(): Promise<void> {
+    await this.d.until(
+      () => {
+        this.pump();
+        return this.events.length > 0;
+      },
+      'the transport reset event',
+    );
+    assert.equal(this.events, [0]);
+  }
+
   /** Processes everything queued so far (device loop pass) and pumps. */
   settle(): void {
     assert.ok(this.d.device.sync(5000), 'device sync');
@@ -201,6 +213,22 @@ function sockPath(): string {
   return join(dir, `v${seq++}.sock`);
 }
 
+type GuestOptions = ConstructorParameters<typeof Guest>[1];
+type GuestBody = (g: Guest) => Promise<void> | void;
+
+/** Runs `body` with a guest on a fresh socket path and closes the guest after, whatever happens. */
+function withGuest(body: GuestBody): Promise<void>;
+function withGuest(opts: GuestOptions, body: GuestBody): Promise<void>;
+async function withGuest(a: GuestOptions | GuestBody, b?: GuestBody): Promise<void> {
+  const [opts, body] = typeof a === 'function' ? [undefined, a] : [a, b!];
+  const g = new Guest(sockPath(), opts);
+  try {
+    await body(g);
+  } finally {
+    g.close();
+  }
+}
+
 function connectHost(path: string): Promise<Socket> {
   return new Promise((resolve, reject) => {
     const s = createConnection(path, () => {
@@ -211,6 +239,16 @@ function connectHost(path: string): Promise<Socket> {
     });
     s.once('error', reject);
   });
+}
+
+/** A host connection that keeps, as text, everything the device sends on it. */
+async function connectCollecting(path: string): Promise<{ host: Socket; text: () => string }> {
+  const host = await connectHost(path);
+  let data = '';
+  host.on('data', (c) => {
+    data += c.toString();
+  });
+  return { host, text: () => data };
 }
 
 /** Reads from `s` until `n` bytes (or a line with `untilLine`) arrived. */
@@ -326,9 +364,8 @@ async function hostConnect(g: Guest, guestPort: number, bufAlloc = 65536): Promi
   return { host, hostPort: req.hdr.srcPort };
 }
 
-test('config space holds the guest CID; features are VERSION_1 and INDIRECT_DESC', () => {
-  const g = new Guest(sockPath());
-  try {
+test('config space holds the guest CID; features are VERSION_1 and INDIRECT_DESC', () =>
+  withGuest((g) => {
     const dev = g.d.device;
     assert.is(dev.deviceId(), 19);
     assert.is(dev.numQueues(), 3);
@@ -338,14 +375,10 @@ test('config space holds the guest CID; features are VERSION_1 and INDIRECT_DESC
     assert.equal([...dev.readConfig(4294967295, 4)], [0, 0, 0, 0], 'offset overflow reads 0');
     dev.writeConfig(0, new Uint8Array([9]));
     assert.equal([...dev.readConfig(0, 1)], [3], 'read-only');
-  } finally {
-    g.close();
-  }
-});
+  }));
 
-test('host-initiated connection: CONNECT, OK, data both ways, guest close answered with RST', async () => {
-  const g = new Guest(sockPath());
-  try {
+test('host-initiated connection: CONNECT, OK, data both ways, guest close answered with RST', () =>
+  withGuest(async (g) => {
     const { host, hostPort } = await hostConnect(g, 1024);
     // host -> guest
     host.write('hello guest');
@@ -376,14 +409,10 @@ test('host-initiated connection: CONNECT, OK, data both ways, guest close answer
     g.settle();
     assert.is(g.d.device.stats().connections, 0);
     assert.is(g.d.device.failure(), null);
-  } finally {
-    g.close();
-  }
-});
+  }));
 
-test('host end: SHUTDOWN(SEND) to the guest, then the guest close ends the connection', async () => {
-  const g = new Guest(sockPath());
-  try {
+test('host end: SHUTDOWN(SEND) to the guest, then the guest close ends the connection', () =>
+  withGuest(async (g) => {
     const { host, hostPort } = await hostConnect(g, 2000);
     host.write('last words');
     host.end();
@@ -397,14 +426,10 @@ test('host end: SHUTDOWN(SEND) to the guest, then the guest close ends the conne
     g.send({ srcPort: 2000, dstPort: hostPort, op: OP.SHUTDOWN, flags: SHUT_SEND });
     await closed(host);
     await g.recv(isOp(OP.RST, hostPort), 'RST: both directions done');
-  } finally {
-    g.close();
-  }
-});
+  }));
 
-test('a host that connects before the driver is up is served once it is', async () => {
-  const g = new Guest(sockPath());
-  try {
+test('a host that connects before the driver is up is served once it is', () =>
+  withGuest(async (g) => {
     g.d.device.reset(); // as after a guest reboot: not active
     const host = await connectHost(g.socketPath);
     host.write('CONNECT 1500\n');
@@ -415,90 +440,68 @@ test('a host that connects before the driver is up is served once it is', async 
     g.send({ op: OP.RESPONSE, srcPort: 1500, dstPort: req.hdr.srcPort });
     assert.is(await readLine(host), `OK ${req.hdr.srcPort}\n`);
     host.destroy();
-  } finally {
-    g.close();
-  }
-});
+  }));
 
-test('the guest refuses (RST): the host connection closes without OK', async () => {
-  const g = new Guest(sockPath());
-  try {
-    const host = await connectHost(g.socketPath);
-    let data = '';
-    host.on('data', (c) => {
-      data += c.toString();
-    });
+test('the guest refuses (RST): the host connection closes without OK', () =>
+  withGuest(async (g) => {
+    const { host, text } = await connectCollecting(g.socketPath);
     host.write('CONNECT 9999\n');
     const req = await g.recv(isOp(OP.REQUEST), 'OP_REQUEST');
     g.send({ op: OP.RST, srcPort: 9999, dstPort: req.hdr.srcPort });
     await closed(host);
-    assert.is(data, '');
+    assert.is(text(), '');
     g.settle();
     assert.is(g.d.device.stats().connections, 0);
-  } finally {
-    g.close();
-  }
-});
+  }));
 
-test('a bad CONNECT line gets an ERROR line and a close', async () => {
-  const g = new Guest(sockPath());
-  try {
+test('a bad CONNECT line gets an ERROR line and a close', () =>
+  withGuest(async (g) => {
     for (const line of ['HELLO\n', 'CONNECT\n', 'CONNECT -1\n', 'CONNECT 4294967296\n', 'CONNECT 12a\n', `CONNECT ${'1'.repeat(40)}\n`]) {
-      const host = await connectHost(g.socketPath);
-      let data = '';
-      host.on('data', (c) => {
-        data += c.toString();
-      });
+      const { host, text } = await connectCollecting(g.socketPath);
       host.write(line);
       await closed(host);
-      if (line.length <= 33) assert.match(data, /^ERROR /, `answer to ${JSON.stringify(line)}`);
+      if (line.length <= 33) assert.match(text(), /^ERROR /, `answer to ${JSON.stringify(line)}`);
     }
     g.settle();
     assert.is(g.received.length, 0, 'the guest heard nothing');
-  } finally {
-    g.close();
-  }
-});
+  }));
 
-test('guest-initiated connection to <socket>_<port>; no listener means RST', async () => {
-  const path = sockPath();
-  const g = new Guest(path);
-  const { server, next } = await listen(`${path}_5000`);
-  try {
-    g.send({ op: OP.REQUEST, srcPort: 7777, dstPort: 5000, bufAlloc: 65536 });
-    const resp = await g.recv(isOp(OP.RESPONSE, 5000), 'OP_RESPONSE');
-    assert.is(resp.hdr.dstPort, 7777);
-    const s = await next();
-    g.send({ op: OP.RW, srcPort: 7777, dstPort: 5000 }, Buffer.from('ping'));
-    assert.is((await readBytes(s, 4)).toString(), 'ping');
-    s.write('pong');
-    assert.is((await g.recv(isOp(OP.RW, 5000), 'pong')).data.toString(), 'pong');
-    // A second REQUEST on the same ports is a protocol error: reset.
-    g.send({ op: OP.REQUEST, srcPort: 7777, dstPort: 5000 });
-    await g.recv(isOp(OP.RST, 5000), 'RST for a duplicate request');
-    await closed(s);
-    // The host side writes its last bytes and closes at once: the bytes
-    // still arrive, then SHUTDOWN both ways.
-    g.send({ op: OP.REQUEST, srcPort: 7779, dstPort: 5000, bufAlloc: 65536 });
-    await g.recv(isOp(OP.RESPONSE, 5000), 'second OP_RESPONSE');
-    const s2 = await next();
-    s2.end('bye');
-    assert.is((await g.recv((p) => p.hdr.op === OP.RW && p.hdr.dstPort === 7779, 'last bytes')).data.toString(), 'bye');
-    const sd = await g.recv((p) => p.hdr.op === OP.SHUTDOWN && p.hdr.dstPort === 7779, 'SHUTDOWN');
-    assert.ok(sd.hdr.flags & SHUT_SEND);
-    // Nobody listens on 5001.
-    g.send({ op: OP.REQUEST, srcPort: 7778, dstPort: 5001 });
-    const rst = await g.recv(isOp(OP.RST, 5001), 'RST for port 5001');
-    assert.is(rst.hdr.dstPort, 7778);
-  } finally {
-    server.close();
-    g.close();
-  }
-});
+test('guest-initiated connection to <socket>_<port>; no listener means RST', () =>
+  withGuest(async (g) => {
+    const { server, next } = await listen(`${g.socketPath}_5000`);
+    try {
+      g.send({ op: OP.REQUEST, srcPort: 7777, dstPort: 5000, bufAlloc: 65536 });
+      const resp = await g.recv(isOp(OP.RESPONSE, 5000), 'OP_RESPONSE');
+      assert.is(resp.hdr.dstPort, 7777);
+      const s = await next();
+      g.send({ op: OP.RW, srcPort: 7777, dstPort: 5000 }, Buffer.from('ping'));
+      assert.is((await readBytes(s, 4)).toString(), 'ping');
+      s.write('pong');
+      assert.is((await g.recv(isOp(OP.RW, 5000), 'pong')).data.toString(), 'pong');
+      // A second REQUEST on the same ports is a protocol error: reset.
+      g.send({ op: OP.REQUEST, srcPort: 7777, dstPort: 5000 });
+      await g.recv(isOp(OP.RST, 5000), 'RST for a duplicate request');
+      await closed(s);
+      // The host side writes its last bytes and closes at once: the bytes
+      // still arrive, then SHUTDOWN both ways.
+      g.send({ op: OP.REQUEST, srcPort: 7779, dstPort: 5000, bufAlloc: 65536 });
+      await g.recv(isOp(OP.RESPONSE, 5000), 'second OP_RESPONSE');
+      const s2 = await next();
+      s2.end('bye');
+      assert.is((await g.recv((p) => p.hdr.op === OP.RW && p.hdr.dstPort === 7779, 'last bytes')).data.toString(), 'bye');
+      const sd = await g.recv((p) => p.hdr.op === OP.SHUTDOWN && p.hdr.dstPort === 7779, 'SHUTDOWN');
+      assert.ok(sd.hdr.flags & SHUT_SEND);
+      // Nobody listens on 5001.
+      g.send({ op: OP.REQUEST, srcPort: 7778, dstPort: 5001 });
+      const rst = await g.recv(isOp(OP.RST, 5001), 'RST for port 5001');
+      assert.is(rst.hdr.dstPort, 7778);
+    } finally {
+      server.close();
+    }
+  }));
 
-test('credit: the device never sends more than the guest advertised', async () => {
-  const g = new Guest(sockPath());
-  try {
+test('credit: the device never sends more than the guest advertised', () =>
+  withGuest(async (g) => {
     const { host, hostPort } = await hostConnect(g, 3000, 1000);
     const payload = Buffer.alloc(5000);
     for (let i = 0; i < payload.length; i++) payload[i] = (i * 7) & 0xff;
@@ -523,14 +526,10 @@ test('credit: the device never sends more than the guest advertised', async () =
       g.send({ op: OP.CREDIT_UPDATE, srcPort: 3000, dstPort: hostPort, bufAlloc: 1000, fwdCnt: fwd });
     }
     assert.ok(got.equals(payload), 'the stream arrived intact and in order');
-  } finally {
-    g.close();
-  }
-});
+  }));
 
-test('credit: the device advertises its buffer and sends CREDIT_UPDATE as it forwards', async () => {
-  const g = new Guest(sockPath());
-  try {
+test('credit: the device advertises its buffer and sends CREDIT_UPDATE as it forwards', () =>
+  withGuest(async (g) => {
     const { host, hostPort } = await hostConnect(g, 3001);
     const chunk = Buffer.alloc(65536, 0x61);
     for (let i = 0; i < 3; i++) g.send({ op: OP.RW, srcPort: 3001, dstPort: hostPort }, chunk);
@@ -544,14 +543,10 @@ test('credit: the device advertises its buffer and sends CREDIT_UPDATE as it for
     g.send({ op: OP.CREDIT_REQUEST, srcPort: 3001, dstPort: hostPort });
     const ans = await g.recv(isOp(OP.CREDIT_UPDATE, hostPort), 'answer to CREDIT_REQUEST');
     assert.is(ans.hdr.fwdCnt, 3 * 65536);
-  } finally {
-    g.close();
-  }
-});
+  }));
 
-test('credit: a guest sending beyond its credit is reset', async () => {
-  const g = new Guest(sockPath(), { memorySize: 8 << 20 });
-  try {
+test('credit: a guest sending beyond its credit is reset', () =>
+  withGuest({ memorySize: 8 << 20 }, async (g) => {
     const { host, hostPort } = await hostConnect(g, 3002);
     host.pause(); // the host reads nothing: data piles up in the device
     const chunk = Buffer.alloc(65536, 0x62);
@@ -560,38 +555,23 @@ test('credit: a guest sending beyond its credit is reset', async () => {
     assert.ok(g.d.device.stats().badPackets >= 1);
     await closed(host);
     assert.is(g.d.device.failure(), null, 'a misbehaving connection does not fail the device');
-  } finally {
-    g.close();
-  }
-});
+  }));
 
-test('transport reset: event 0 to the guest, all connections dropped', async () => {
-  const g = new Guest(sockPath());
-  try {
+test('transport reset: event 0 to the guest, all connections dropped', () =>
+  withGuest(async (g) => {
     const { host } = await hostConnect(g, 4000);
     g.d.device.transportReset();
-    await g.d.until(
-      () => {
-        g.pump();
-        return g.events.length > 0;
-      },
-      'the transport reset event',
-    );
-    assert.equal(g.events, [0]);
+    await g.resetEvent();
     await closed(host);
     g.settle();
     assert.is(g.d.device.stats().connections, 0);
     // New connections work afterwards.
     const again = await hostConnect(g, 4001);
     again.host.destroy();
-  } finally {
-    g.close();
-  }
-});
+  }));
 
-test('bulk: 2 MiB each way through credit flow control, in order', async () => {
-  const g = new Guest(sockPath(), { memorySize: 16 << 20 });
-  try {
+test('bulk: 2 MiB each way through credit flow control, in order', () =>
+  withGuest({ memorySize: 16 << 20 }, async (g) => {
     const GUEST_BUF = 256 * 1024;
     const { host, hostPort } = await hostConnect(g, 4500, GUEST_BUF);
     const size = 2 << 20;
@@ -652,14 +632,10 @@ test('bulk: 2 MiB each way through credit flow control, in order', async () => {
     assert.ok(got.equals(toGuest), 'host -> guest intact');
     assert.ok(Buffer.concat(fromGuest).equals(toHost), 'guest -> host intact');
     assert.is(g.d.device.failure(), null);
-  } finally {
-    g.close();
-  }
-});
+  }));
 
-test('without indirect descriptors, with small rx buffers: data is split across buffers', async () => {
-  const g = new Guest(sockPath(), { indirect: false, rxSize: 100 });
-  try {
+test('without indirect descriptors, with small rx buffers: data is split across buffers', () =>
+  withGuest({ indirect: false, rxSize: 100 }, async (g) => {
     const { host, hostPort } = await hostConnect(g, 4100);
     const msg = Buffer.from('x'.repeat(1000));
     host.write(msg);
@@ -670,14 +646,10 @@ test('without indirect descriptors, with small rx buffers: data is split across 
       got = Buffer.concat([got, p.data]);
     }
     assert.ok(got.equals(msg));
-  } finally {
-    g.close();
-  }
-});
+  }));
 
-test('snapshot: pause holds the device still, resume continues', async () => {
-  const g = new Guest(sockPath());
-  try {
+test('snapshot: pause holds the device still, resume continues', () =>
+  withGuest(async (g) => {
     const { host, hostPort } = await hostConnect(g, 4200);
     g.d.device.pause();
     host.write('while paused');
@@ -690,14 +662,10 @@ test('snapshot: pause holds the device still, resume continues', async () => {
     g.d.device.resume();
     assert.is((await readBytes(host, 7)).toString(), 'to host');
     assert.is((await g.recv(isOp(OP.RW, hostPort), 'data after resume')).data.toString(), 'while paused');
-  } finally {
-    g.close();
-  }
-});
+  }));
 
-test('snapshot: restoring from saved ring positions continues the rings and resets the transport', async () => {
-  const g = new Guest(sockPath());
-  try {
+test('snapshot: restoring from saved ring positions continues the rings and resets the transport', () =>
+  withGuest(async (g) => {
     const { host, hostPort } = await hostConnect(g, 4300);
     g.send({ op: OP.RW, srcPort: 4300, dstPort: hostPort }, Buffer.from('before'));
     assert.is((await readBytes(host, 6)).toString(), 'before');
@@ -718,14 +686,7 @@ test('snapshot: restoring from saved ring positions continues the rings and rese
     g.d.device.reset();
     await closed(host);
     g.d.device.restoreState(state);
-    await g.d.until(
-      () => {
-        g.pump();
-        return g.events.length > 0;
-      },
-      'the transport reset event',
-    );
-    assert.equal(g.events, [0]);
+    await g.resetEvent();
     // The post-snapshot packet is taken from where the rings stood: its
     // connection is gone, so it is answered with RST (and nothing older is replayed).
     await g.recv(isOp(OP.RST, hostPort), 'RST for the dropped connection');
@@ -738,16 +699,12 @@ test('snapshot: restoring from saved ring positions continues the rings and rese
     g.d.device.reset();
     g.d.device.restoreState({ ...state, queues: [state.queues[0]!, { ...state.queues[1]!, size: 3 }, state.queues[2]!] });
     assert.match(g.d.device.failure()!, /vsock tx queue: queue size 3 is not a power of two/);
-  } finally {
-    g.close();
-  }
-});
+  }));
 
 // ---- hostile packets and chains ------------------------------------------------------------
 
-test('malformed packets are dropped or reset, counted, and never fail the device', async () => {
-  const g = new Guest(sockPath());
-  try {
+test('malformed packets are dropped or reset, counted, and never fail the device', () =>
+  withGuest(async (g) => {
     const { host, hostPort } = await hostConnect(g, 6000);
     const base = g.d.device.stats();
     // A tx chain shorter than a header.
@@ -785,14 +742,10 @@ test('malformed packets are dropped or reset, counted, and never fail the device
     assert.is(s.txPackets - base.txPackets, 14);
     assert.ok(s.badPackets - base.badPackets >= 10, `bad packets counted (${s.badPackets - base.badPackets})`);
     assert.is(g.d.device.failure(), null);
-  } finally {
-    g.close();
-  }
-});
+  }));
 
-test('an rx buffer too small for a header fails the device and closes host connections', async () => {
-  const g = new Guest(sockPath(), { rxBuffers: 0 });
-  try {
+test('an rx buffer too small for a header fails the device and closes host connections', () =>
+  withGuest({ rxBuffers: 0 }, async (g) => {
     const tiny = g.d.buffer(20);
     g.rx.addChain([{ addr: tiny, len: 20, write: true }]);
     g.rx.kick();
@@ -804,14 +757,10 @@ test('an rx buffer too small for a header fails the device and closes host conne
     // A failed device refuses new host connections at once.
     const h2 = await connectHost(g.socketPath);
     await closed(h2);
-  } finally {
-    g.close();
-  }
-});
+  }));
 
-test('a hostile tx chain fails the device; reset and re-activation recover it', async () => {
-  const g = new Guest(sockPath());
-  try {
+test('a hostile tx chain fails the device; reset and re-activation recover it', () =>
+  withGuest(async (g) => {
     const { host } = await hostConnect(g, 6100);
     g.tx.writeDesc(0, 0x8000, 44, DESC_F_NEXT, 0); // loop
     g.tx.publish(0);
@@ -826,14 +775,10 @@ test('a hostile tx chain fails the device; reset and re-activation recover it', 
     again.host.write('alive');
     assert.is((await g.recv(isOp(OP.RW), 'data after recovery')).data.toString(), 'alive');
     again.host.destroy();
-  } finally {
-    g.close();
-  }
-});
+  }));
 
-test('bad queue layouts fail activation (vsock)', () => {
-  const g = new Guest(sockPath());
-  try {
+test('bad queue layouts fail activation (vsock)', () =>
+  withGuest((g) => {
     g.d.device.reset();
     g.d.device.activate(
       [
@@ -845,10 +790,7 @@ test('bad queue layouts fail activation (vsock)', () => {
     );
     assert.match(g.d.device.failure()!, /vsock tx queue: queue size 100 is not a power of two/);
     assert.ok(g.d.device.sync(1000), 'an inactive device syncs at once');
-  } finally {
-    g.close();
-  }
-});
+  }));
 
 test('a stale socket file is replaced; a live one is refused', async () => {
   const path = sockPath();
