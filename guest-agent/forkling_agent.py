@@ -1784,18 +1784,25 @@ def reaper():
     seen = set()
     while True:
         time.sleep(0.5)
-        try:
-            zombies = zombie_children(1)
-        except OSError:
-            continue
-        mine = AGENT.tracked_pids() if AGENT else set()
-        for pid in zombies & seen:
-            if pid not in mine:
-                try:
-                    os.waitpid(pid, os.WNOHANG)
-                except ChildProcessError:
-                    pass
-        seen = zombies
+        seen = reap_once(seen)
+
+
+def reap_once(seen):
+    """One look of the reaper (also run by a process-engine child's service
+    thread): reaps the untracked zombies that `seen`, what the last look
+    returned, has too; returns the zombies of this look."""
+    try:
+        zombies = zombie_children(1)
+    except OSError:
+        return seen
+    mine = AGENT.tracked_pids() if AGENT else set()
+    for pid in zombies & seen:
+        if pid not in mine:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+    return zombies
 
 
 def pid1_poweroff(reboot):

@@ -671,9 +671,10 @@ def _setup_child(ch, sockdir, branch):
 
 
 def _rebuild_agent(agent, ch, reset):
-    """Starts the agent's threads again in the child, which has only this
-    thread; in a branch, first drops the parent's sockets and state (a fork
-    server did that once for all its children)."""
+    """Readies the agent in the child, which has only this thread; in a
+    branch, first drops the parent's sockets and state (a fork server did
+    that once for all its children). Its service threads start in _listen
+    and, for eval output and timeouts, at first use (_StartingEvent)."""
     rebuild = getattr(agent, 'after_fork_child', None)
     if rebuild is not None:
         rebuild()
@@ -682,10 +683,6 @@ def _rebuild_agent(agent, ch, reset):
             _reset_agent(agent)
         agent.main_ident = threading.get_ident()
         agent.t0 = time.monotonic()
-        _bare_thread(agent._flusher)
-        _bare_thread(agent._watchdog)
-        if _agent_mod.IS_PID1:
-            _bare_thread(_agent_mod.reaper)
     agent.sandbox_id = ch['id']
 
 
@@ -714,8 +711,8 @@ def _reset_agent(agent):
     agent.running = None
     agent.interrupt_for = None
     agent.output_sink = None
-    agent.flush_wakeup = threading.Event()
-    agent.watch_wakeup = threading.Event()
+    agent.flush_wakeup = _StartingEvent(agent._flusher)
+    agent.watch_wakeup = _StartingEvent(agent._watchdog)
     agent.stopping = False
     if agent.random_fd is not None:
         try:
@@ -725,25 +722,68 @@ def _reset_agent(agent):
         agent.random_fd = None
 
 
+class _StartingEvent(threading.Event):
+    """The agent's wake-up event of its output flusher or its eval watchdog,
+    whose first set() starts that loop: a child that never prints from an
+    eval nor gives one a timeout runs neither thread."""
+
+    def __init__(self, loop):
+        super().__init__()
+        self._loop = loop
+        self._once = _thread.allocate_lock()  # taken by the first set(), never released
+
+    def set(self):
+        if self._once.acquire(False):
+            _bare_thread(self._loop)
+        super().set()
+
+
 def _bare_thread(target, *args):
-    """The agent's service loops in a child, without threading.Thread: no
-    Thread object, locks and start handshake (a context switch) per thread,
-    fewer pages written in the child. They never ask threading who they are."""
+    """The agent's threads in a child, without threading.Thread: no Thread
+    object, locks and start handshake (a context switch) per thread, fewer
+    pages written in the child. They never ask threading who they are."""
     _thread.start_new_thread(target, args)
 
 
 def _listen(agent, path):
-    """agent.listen_unix(path), with its accept loop on a bare thread."""
-    import socket
+    """Listens on `path` and starts the child's one service thread."""
     try:
         os.unlink(path)
     except FileNotFoundError:
         pass
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     s.bind(path)
     s.listen(128)
     agent.listeners.append(s)
-    _bare_thread(agent._accept_loop, s)
+    _bare_thread(_service, agent, s)
+
+
+def _service(agent, lsock):
+    """A child's service thread, in place of the agent's accept loop and
+    reaper threads: accepts connections (each read by a thread of its own,
+    as in the agent) and, as PID 1, reaps orphans every REAP_INTERVAL_MS,
+    and only looks through /proc when a child of ours has exited."""
+    poller = select.poll()
+    poller.register(lsock.fileno(), select.POLLIN)
+    seen = set()
+    while not agent.stopping:
+        if poller.poll(REAP_INTERVAL_MS):
+            try:
+                fd, _ = lsock._accept()
+            except OSError as e:
+                if agent.stopping or e.errno in (errno.EBADF, errno.EINVAL):
+                    return  # the listener is closed
+                time.sleep(0.01)  # ECONNABORTED, EMFILE, ...: keep accepting
+                continue
+            conn = _agent_mod.Connection(agent, _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM, 0, fd), 'unix')
+            agent.connections.add(conn)
+            _bare_thread(conn.run)
+        if _agent_mod.IS_PID1:
+            try:
+                exited = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                exited = None
+            seen = _agent_mod.reap_once(seen) if exited is not None else set()
 
 
 # ------------------------------------------------------------------ branch: copy a layer

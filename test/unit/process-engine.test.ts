@@ -9,7 +9,7 @@ import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
-import type { AgentClient } from '../../host/agent/client.ts';
+import { type AgentClient, connectUnix } from '../../host/agent/client.ts';
 import type { Sandbox } from '../../host/engine/engine.ts';
 import { ProcessEngine } from '../../host/engine/process/engine.ts';
 import { ensureImage } from '../../host/images.ts';
@@ -65,6 +65,45 @@ test('a child inherits the warm-up state and is PID 1 of its own namespaces', as
   await c!.kill();
 });
 
+test("a child's service threads: streamed eval output, an eval timeout, a second connection, orphans reaped", async () => {
+  const [c] = await engine.fork(TEMPLATE, 1);
+  try {
+    // output streams while the eval runs (the flusher thread starts at the first print)
+    let firstOutputAt = 0;
+    const r = await c!.agent.eval('import time\nprint("from the child")\ntime.sleep(1)\n7', {
+      onStdout: () => {
+        firstOutputAt ||= performance.now();
+      },
+    });
+    assert.is(r.stdout, 'from the child\n');
+    assert.is(r.value, 7);
+    assert.ok(firstOutputAt > 0 && performance.now() - firstOutputAt > 500, 'the output came before the eval ended');
+    // a timeout interrupts a busy eval (the watchdog thread starts at the first eval with one)
+    const t = await Promise.race([
+      c!.agent.eval('while True: time.sleep(0.01)', { timeoutMs: 300 }),
+      new Promise<null>((res) => setTimeout(() => res(null), 10000)),
+    ]);
+    assert.ok(t?.timedOut, 'the eval timed out');
+    assert.is(await val(c!.agent, '1 + 1'), 2);
+    // a second client connects to the child's socket (the service thread accepts)
+    const second = await connectUnix(join((c as unknown as { link: string }).link, 'agent.sock'));
+    try {
+      assert.is(await val(second, 'WARM["answer"]'), 42);
+    } finally {
+      second.close();
+    }
+    // an orphan ends as a zombie child of the agent (PID 1), which reaps it
+    const reaped = await val(
+      c!.agent,
+      'import subprocess\norphan = int(subprocess.run(["sh", "-c", "sleep 0.2 & echo $!"], capture_output=True, text=True).stdout)\n' +
+        'for _ in range(100):\n    if not os.path.exists("/proc/%d" % orphan): break\n    time.sleep(0.05)\nnot os.path.exists("/proc/%d" % orphan)',
+    );
+    assert.is(reaped, true);
+  } finally {
+    await c!.kill();
+  }
+});
+
 test('10 children in parallel each answer their own eval', async () => {
   const kids = await engine.fork(TEMPLATE, 10);
   assert.is(new Set(kids.map((k) => k.id)).size, 10);
@@ -73,7 +112,7 @@ test('10 children in parallel each answer their own eval', async () => {
   await Promise.all(kids.map((k) => k.kill()));
 });
 
-test('a fork of 30 (sent to the zygote as two requests) gives 30 distinct children in order', async () => {
+test('a fork of 30 (sent to the zygote as several requests) gives 30 distinct children in order', async () => {
   const kids = await engine.fork(TEMPLATE, 30);
   assert.is(kids.length, 30);
   assert.is(new Set(kids.map((k) => k.id)).size, 30);
@@ -85,7 +124,7 @@ test('a fork of 30 (sent to the zygote as two requests) gives 30 distinct childr
 
 test('a fork request that hits the pids limit part-way: the forked children answer, the rest fail, nothing leaks', async () => {
   const z = (engine as unknown as { zygotes: Map<string, { client: AgentClient; pid: number }> }).zygotes.get(TEMPLATE)!;
-  // 40 children at 5 tasks each, all in the zygote's cgroup (pids.max 64): some forks get EAGAIN.
+  // 40 children at 2 tasks each (the agent, its service thread), all in the zygote's cgroup (pids.max 64): some forks get EAGAIN.
   const ids = Array.from({ length: 40 }, (_, i) => `pl${i}-${randomBytes(3).toString('hex')}`);
   const res = await z.client.request('fork', { children: ids.map((id) => ({ id, hostname: id })) });
   const ok = res.children.filter((c) => c.ok);

@@ -181,10 +181,10 @@ function descendants(pid: number, skip: ReadonlySet<number>): number[] {
  * of one while it forks the next (and those children set themselves up).
  */
 function chunks(n: number, pids: number): number[] {
-  // Until the host moves them to their own cgroups, new children (5 tasks
-  // each: the agent and its 4 service threads) count against the zygote's
+  // Until the host moves them to their own cgroups, new children (2 tasks
+  // each: the agent and its service thread) count against the zygote's
   // pids limit: two requests' worth at a time (Zygote.requests).
-  const size = Math.max(1, Math.min(FORK_CHUNK, Math.floor((pids - 16) / 12)));
+  const size = Math.max(1, Math.min(FORK_CHUNK, Math.floor((pids - 16) / 4)));
   const out: number[] = [];
   for (let left = n; left > 0; left -= size) out.push(Math.min(size, left));
   return out;
