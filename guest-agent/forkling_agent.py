@@ -1529,11 +1529,14 @@ def op_restore(agent, conn, f):
             if agent.random_fd is None:
                 agent.random_fd = os.open('/dev/random', os.O_WRONLY | os.O_CLOEXEC)
             fcntl.ioctl(agent.random_fd, RNDADDENTROPY, struct.pack('ii', len(entropy) * 8, len(entropy)) + entropy)
+            res['entropy'] = {'added': True, 'bytes': len(entropy)}
             # Credited entropy alone does not reseed an initialised CRNG (it
             # reseeds on a timer), so a VM restored from a snapshot would hand
             # every sibling the same os.urandom bytes until then: reseed now.
-            fcntl.ioctl(agent.random_fd, RNDRESEEDCRNG)
-            res['entropy'] = {'added': True, 'bytes': len(entropy)}
+            try:
+                fcntl.ioctl(agent.random_fd, RNDRESEEDCRNG)
+            except OSError as e:
+                res['entropy']['reason'] = 'added, but RNDRESEEDCRNG: %s (the kernel reseeds later)' % (e.strerror or e)
         except OSError as e:
             res['entropy'] = {'added': False, 'bytes': 0, 'reason': 'RNDADDENTROPY: %s' % (e.strerror or e)}
     # Reseed user-space generators: they were copied from the template with the
