@@ -226,6 +226,27 @@ export class CgroupTree {
     return null;
   }
 
+  /**
+   * Resolves once a freeze asked of the cgroup has taken hold (a freezer
+   * finishes asynchronously: v1 reads FREEZING, v2's cgroup.events says
+   * frozen 0, until every task has stopped), or after `timeoutMs`.
+   */
+  async frozen(cg: Cgroup, timeoutMs = 2000): Promise<boolean> {
+    const v1 = this.mode === 'v1' ? cg.dirs.find((x) => x.startsWith(this.v1.get('freezer') ?? '\0')) : undefined;
+    const check = (): boolean => {
+      try {
+        if (v1) return readFileSync(join(v1, 'freezer.state'), 'utf8').trim() === 'FROZEN';
+        if (this.mode === 'v2' && cg.dirs[0]) return /^frozen 1$/m.test(readFileSync(join(cg.dirs[0], 'cgroup.events'), 'utf8'));
+      } catch {}
+      return true; // no freezer, or the cgroup is gone: nothing to wait for
+    };
+    for (let wait = 1, deadline = Date.now() + timeoutMs; !check(); wait = Math.min(wait * 2, 20)) {
+      if (Date.now() > deadline) return false;
+      await new Promise((r) => setTimeout(r, wait));
+    }
+    return true;
+  }
+
   /** Freezes (true) or thaws the cgroup; false when no freezer is available. */
   freeze(cg: Cgroup, frozen: boolean): boolean {
     if (this.mode === 'v1' && this.v1.has('freezer')) {

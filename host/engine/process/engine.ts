@@ -323,7 +323,7 @@ class ProcessSandbox implements Sandbox {
     }
     // A second lock where there is a freezer: a SIGCONT from a process that can still see it
     // (the sandbox it was branched from, the zygote) does not thaw a frozen cgroup.
-    if (this.cgroup) this.owner.cgroups.freeze(this.cgroup, true);
+    if (this.cgroup && this.owner.cgroups.freeze(this.cgroup, true)) await this.owner.cgroups.frozen(this.cgroup);
     return true;
   }
 
@@ -366,6 +366,7 @@ class ProcessSandbox implements Sandbox {
 
   async pause(): Promise<void> {
     if (!(this.cgroup && this.owner.cgroups.freeze(this.cgroup, true))) process.kill(this.hostPid, 'SIGSTOP');
+    else await this.owner.cgroups.frozen(this.cgroup);
   }
 
   async resume(): Promise<void> {
