@@ -171,10 +171,8 @@ export class CgroupTree {
           cg.procs.push(join(dir, 'cgroup.procs'));
           if (c === 'memory') writeFileSync(join(dir, 'memory.limit_in_bytes'), String(limits.memoryBytes));
           if (c === 'pids') writeFileSync(join(dir, 'pids.max'), String(limits.pids));
-          if (c === 'cpu') {
-            writeFileSync(join(dir, 'cpu.cfs_period_us'), '100000');
-            writeFileSync(join(dir, 'cpu.cfs_quota_us'), String(Math.max(1000, Math.round(limits.cpus * 100000))));
-          }
+          // (a new cgroup's cpu.cfs_period_us is the kernel's default, 100000 µs)
+          if (c === 'cpu') writeFileSync(join(dir, 'cpu.cfs_quota_us'), String(Math.max(1000, Math.round(limits.cpus * 100000))));
         }
       } else if (this.v2dir) {
         const dir = join(this.v2dir, name);
