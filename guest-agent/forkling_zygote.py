@@ -38,7 +38,6 @@ import os
 import queue
 import re
 import select
-import selectors
 import socket
 import stat
 import struct
@@ -474,6 +473,11 @@ def _spawn(agent, children, branch, fork):
     _setup_plan()  # here, once: every child inherits it
     if STATE['pidns_fd'] is None:
         STATE['pidns_fd'] = os.open('/proc/self/ns/pid', os.O_RDONLY | os.O_CLOEXEC)
+    # What this process runs between two forks, and after the last, makes
+    # its pages a copy of its own, so the child forked before keeps the
+    # original alone (private memory): little Python here, none of it new.
+    sockdirs = os.path.join(RUN, 'b' if branch else 's') + '/'
+    os.makedirs(sockdirs, exist_ok=True)
     pending = []
     results = {}
     failed = None  # a fork failed (EAGAIN: pids limit, ENOMEM): it and the rest fail, the forked ones go on
@@ -481,9 +485,9 @@ def _spawn(agent, children, branch, fork):
         if failed is not None:
             results[ch['id']] = {'id': ch['id'], 'ok': False, 'error': 'not forked: %s' % failed}
             continue
-        sockdir = os.path.join(RUN, 'b' if branch else 's', ch['id'])
+        sockdir = sockdirs + ch['id']
         try:
-            os.makedirs(sockdir)
+            os.mkdir(sockdir)
         except OSError as e:
             results[ch['id']] = {'id': ch['id'], 'ok': False, 'error': 'socket dir %s: %s' % (sockdir, e.strerror)}
             continue
@@ -512,35 +516,32 @@ def _spawn(agent, children, branch, fork):
             _child_main(agent, ch, sockdir, r, w, branch)  # never returns
         os.close(w)
         pending.append((ch, pid, r, t0))
-    # Wait until every child listens (or fails): a byte string on its pipe.
-    sel = selectors.DefaultSelector()
-    bufs = {}
+    # Wait until every child listens (or fails): a byte string on its pipe, then EOF.
+    poller = select.poll()
+    waiting = {}
     for ch, pid, r, t0 in pending:
-        sel.register(r, selectors.EVENT_READ, (ch, pid, t0))
-        bufs[r] = b''
+        poller.register(r, select.POLLIN)
+        waiting[r] = [ch, pid, t0, b'']
     deadline = time.monotonic() + READY_TIMEOUT_S
-    while bufs:
+    while waiting:
         left = deadline - time.monotonic()
-        events = sel.select(max(0.0, left)) if left > 0 else []
+        events = poller.poll(int(left * 1000) + 1) if left > 0 else []
         if not events:
-            for r in list(bufs):
-                ch, pid, t0 = sel.get_key(r).data
+            for r, (ch, pid, _, _) in waiting.items():
                 _kill(pid)
                 results[ch['id']] = {'id': ch['id'], 'ok': False, 'error': 'not ready within %ds' % READY_TIMEOUT_S}
-                sel.unregister(r)
                 os.close(r)
-                del bufs[r]
             break
-        for key, _ in events:
-            r = key.fd
-            ch, pid, t0 = key.data
+        for r, _ in events:
+            child = waiting[r]
             data = os.read(r, 4096)
             if data:
-                bufs[r] += data
+                child[3] += data
                 continue
-            msg = bufs.pop(r)
-            sel.unregister(r)
+            del waiting[r]
+            poller.unregister(r)
             os.close(r)
+            ch, pid, t0, msg = child
             if msg == b'ok':
                 results[ch['id']] = {'id': ch['id'], 'ok': True, 'pid': pid,
                                      'setupMs': (time.perf_counter() - t0) * 1000.0}
@@ -548,7 +549,6 @@ def _spawn(agent, children, branch, fork):
                 _kill(pid)
                 results[ch['id']] = {'id': ch['id'], 'ok': False,
                                      'error': msg.decode('utf-8', 'replace') or 'child exited during set-up'}
-    sel.close()
     return [results[ch['id']] for ch in children]
 
 
@@ -799,11 +799,8 @@ def _bare_thread(target, *args):
 
 
 def _listen(agent, path):
-    """Listens on `path` and starts the child's one service thread."""
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    """Listens on `path` (in the socket directory made for this child) and
+    starts the child's one service thread."""
     s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     s.bind(path)
     s.listen(128)
