@@ -73,6 +73,8 @@ try {
   steps.push(['first eval answered', frames(sb)]);
   await new Promise((r) => setTimeout(r, 2000));
   steps.push(['idle 2 s later', frames(sb)]);
+  await new Promise((r) => setTimeout(r, 8000));
+  steps.push(['idle 10 s later', frames(sb)]);
   console.log(
     `\nprivate guest memory of one forked child (image ${values.image}, warm-up ${JSON.stringify(values.warmup)}, init_on_free=${values['no-init-on-free'] ? 0 : 1})`,
   );
