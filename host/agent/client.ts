@@ -22,7 +22,12 @@ export class AgentError extends Error {
   constructor(
     readonly code: string,
     message: string,
-    readonly details: Record<string, unknown> = {},
+    /**
+     * The error frame's other fields (errno, path, ...). Not named `details`:
+     * uvu's reporter takes an error's `details` for a string and, on an
+     * object, aborts the whole test file without printing any failure.
+     */
+    readonly fields: Record<string, unknown> = {},
   ) {
     super(message);
     this.name = 'AgentError';
@@ -305,8 +310,8 @@ export class AgentClient {
     }
     this.settle(f.id);
     if (f.t === 'err') {
-      const { t: _t, id: _id, code, message, ...details } = f;
-      p.reject(new AgentError(code as string, message as string, details));
+      const { t: _t, id: _id, code, message, ...fields } = f;
+      p.reject(new AgentError(code as string, message as string, fields));
       return;
     }
     const { t: _t, id: _id, ...res } = f;

@@ -71,7 +71,7 @@ test('hello: version negotiation; other requests need it first', async () => {
   const raw = await connectUnix(agent.socketPath, { hello: false });
   await rejects(raw.ping(), 'hello_required');
   const e = await rejects(raw.request('hello', { versions: [7, 9] }), 'unsupported_version');
-  assert.equal(e.details['supported'], [1]);
+  assert.equal(e.fields['supported'], [1]);
   const h = await raw.request('hello', { versions: [1, 2] });
   assert.is(h.version, 1);
   assert.is(h.pid, agent.pid);
@@ -351,7 +351,7 @@ test('files: write, read, stat, exists, list, mkdir -p, rename, remove', async (
   assert.equal(await c.remove(join(d, 'a'), { recursive: true }), { removed: true });
   assert.equal(await c.remove(join(d, 'a'), { force: true }), { removed: false });
   const nf = await rejects(c.readFile(join(d, 'missing')), 'not_found');
-  assert.is(nf.details['errno'], 'ENOENT');
+  assert.is(nf.fields['errno'], 'ENOENT');
   await rejects(c.readFile(d), 'is_a_directory');
   await rejects(c.listDir(join(d, 'deep/er/y.bin')), 'not_a_directory');
   await rejects(c.stat(join(d, 'missing')), 'not_found');

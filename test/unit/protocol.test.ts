@@ -242,7 +242,7 @@ test('client: err frames reject with code and details; hostile responses are ref
   const e1 = (await p.catch((e) => e)) as AgentError;
   assert.instance(e1, AgentError);
   assert.is(e1.code, 'not_found');
-  assert.is(e1.details['errno'], 'ENOENT');
+  assert.is(e1.fields['errno'], 'ENOENT');
   const e2 = (await q.catch((e) => e)) as AgentError;
   assert.is(e2.code, 'bad_response');
   assert.ok(e2.message.includes('/time'), e2.message);
