@@ -99,7 +99,7 @@ const REHEARSAL_CONTEXT = 'forkling-rehearsal';
  * imports, caches and CPython's specialised bytecode are filled in once here
  * instead of being written, and so copied page by page, in every child, and
  * gc.freeze() keeps the collector in a child from touching every inherited
- * object. An optimisation only: the process engine's zygote does the same.
+ * object. The process engine's zygote does the same.
  */
 async function rehearse(sb: KvmSandbox): Promise<void> {
   for (let i = 0; i < REHEARSALS; i++) {
