@@ -6,7 +6,7 @@
 // guest's copy of boot_params (/sys/kernel/boot_params) shows which loader
 // path ran: the VMM's synthetic header for the ELF, the file's own setup
 // header for the bzImage, which still boots as before with the same command line.
-import { appendFileSync, readFileSync } from 'node:fs';
+import { readFileSync } from 'node:fs';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import { KvmEngine } from '../../host/engine/kvm/engine.ts';
@@ -14,20 +14,10 @@ import type { KvmSandbox } from '../../host/engine/kvm/vm.ts';
 import { ensureImage, type ImageInfo } from '../../host/images.ts';
 import { inspectKernelFile } from '../../images/kernelfile.ts';
 import { type ExtractedVmlinux, vmlinuxFromBzImage } from '../../images/vmlinux.ts';
-import { labRetry as labRetryWith } from './lab-flake.ts';
+import { labProgress, labRetry as labRetryWith } from './lab-flake.ts';
 
 const engine = new KvmEngine();
-const T0 = performance.now();
-/** Progress lines; in the lab also into the kernel log, which the lab prints when a run fails or hangs. */
-function progress(line: string): void {
-  const l = `[boot-vmlinux.test +${((performance.now() - T0) / 1000).toFixed(1)}s] ${line}`;
-  console.error(l);
-  if (process.env.FORKLING_IN_LAB) {
-    try {
-      appendFileSync('/dev/kmsg', `${l}\n`);
-    } catch {}
-  }
-}
+const progress = labProgress('boot-vmlinux.test');
 // The lab runs the guest under nested virtualization in TCG: boots take tens of seconds.
 const READY_MS = Number(process.env.FORKLING_TEST_BOOT_TIMEOUT_MS ?? 180_000);
 const figures: string[] = [];

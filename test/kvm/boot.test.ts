@@ -5,7 +5,6 @@
 // host goes on to boot another VM; a clean poweroff frees the VM's memory.
 // Prints boot-to-ready times and memory figures (meaningless times in the lab).
 import { createHash, randomBytes } from 'node:crypto';
-import { appendFileSync } from 'node:fs';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import { runCommand } from '../../host/cli/run.ts';
@@ -13,20 +12,10 @@ import { kernelCmdline } from '../../host/engine/kvm/cmdline.ts';
 import { KvmEngine } from '../../host/engine/kvm/engine.ts';
 import { KvmSandbox } from '../../host/engine/kvm/vm.ts';
 import { loadImage } from '../../host/images.ts';
-import { labRetry as labRetryWith } from './lab-flake.ts';
+import { labProgress, labRetry as labRetryWith } from './lab-flake.ts';
 
 const engine = new KvmEngine();
-const T0 = performance.now();
-/** Progress lines; in the lab also into the kernel log, which the lab prints when a run fails or hangs. */
-function progress(line: string): void {
-  const l = `[boot.test +${((performance.now() - T0) / 1000).toFixed(1)}s] ${line}`;
-  console.error(l);
-  if (process.env.FORKLING_IN_LAB) {
-    try {
-      appendFileSync('/dev/kmsg', `${l}\n`);
-    } catch {}
-  }
-}
+const progress = labProgress('boot.test');
 // The lab runs the guest under nested virtualization in TCG: boots take tens of seconds.
 const READY_MS = Number(process.env.FORKLING_TEST_BOOT_TIMEOUT_MS ?? 180_000);
 const rssMiB = () => process.memoryUsage().rss / 2 ** 20;

@@ -10,6 +10,26 @@
 // in the same paths: our suspect (not proven). Not seen outside the lab. Such
 // a boot or fork is retried once, loudly, so the lab tests what it can; a
 // second one fails the test. Anywhere else there is no retry.
+import { appendFileSync } from 'node:fs';
+
+/**
+ * A test file's progress lines, stamped with seconds since it started; in the
+ * lab also written to the kernel log, which the lab prints when a run fails
+ * or hangs.
+ */
+export function labProgress(file: string): (line: string) => void {
+  const t0 = performance.now();
+  return (line) => {
+    const l = `[${file} +${((performance.now() - t0) / 1000).toFixed(1)}s] ${line}`;
+    console.error(l);
+    if (process.env.FORKLING_IN_LAB) {
+      try {
+        appendFileSync('/dev/kmsg', `${l}\n`);
+      } catch {}
+    }
+  };
+}
+
 export async function labRetry<T>(tag: string, fn: () => Promise<T>, log: (line: string) => void = console.error): Promise<T> {
   try {
     return await fn();
