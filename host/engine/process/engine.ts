@@ -103,6 +103,23 @@ function pushLine(ring: string[], line: string) {
   if (ring.length > CONSOLE_LINES) ring.splice(0, ring.length - CONSOLE_LINES);
 }
 
+/** The child pids of each thread of `pid`, thread by thread, oldest child first ([] once it is gone). */
+function childrenByThread(pid: number): number[][] {
+  let tasks: string[];
+  try {
+    tasks = readdirSync(`/proc/${pid}/task`);
+  } catch {
+    return [];
+  }
+  const out: number[][] = [];
+  for (const t of tasks) {
+    try {
+      out.push(readFileSync(`/proc/${pid}/task/${t}/children`, 'utf8').split(' ').filter(Boolean).map(Number));
+    } catch {}
+  }
+  return out;
+}
+
 /**
  * Host pids of the forks of `pid` that have the given pids in the namespace where `pid` lives: its
  * children that are PID 1 of their own pid namespace, and with `viaServer` those of its other
@@ -112,21 +129,9 @@ function pushLine(ring: string[], line: string) {
 function forksByNsPid(pid: number, want: ReadonlySet<number>, viaServer: boolean): Map<number, number> {
   const out = new Map<number, number>();
   const scan = (parent: number, deeper: boolean): void => {
-    let tasks: string[] = [];
-    try {
-      tasks = readdirSync(`/proc/${parent}/task`);
-    } catch {
-      return;
-    }
-    for (const t of tasks) {
-      let kids: string[] = [];
-      try {
-        kids = readFileSync(`/proc/${parent}/task/${t}/children`, 'utf8').split(' ').filter(Boolean);
-      } catch {
-        continue;
-      }
+    for (const kids of childrenByThread(parent)) {
       for (let i = kids.length - 1; i >= 0 && out.size < want.size; i--) {
-        const k = Number(kids[i]);
+        const k = kids[i]!;
         let ns: number[] | undefined;
         try {
           ns = /^NSpid:\s+(.*)$/m.exec(readFileSync(`/proc/${k}/status`, 'utf8'))?.[1]?.trim().split(/\s+/).map(Number);
@@ -152,20 +157,8 @@ function descendants(pid: number, skip: ReadonlySet<number>): number[] {
   const todo = [pid];
   while (todo.length) {
     const p = todo.pop()!;
-    let tasks: string[] = [];
-    try {
-      tasks = readdirSync(`/proc/${p}/task`);
-    } catch {
-      continue;
-    }
-    for (const t of tasks) {
-      let kids: string[] = [];
-      try {
-        kids = readFileSync(`/proc/${p}/task/${t}/children`, 'utf8').split(' ').filter(Boolean);
-      } catch {
-        continue;
-      }
-      for (const k of kids.map(Number)) {
+    for (const kids of childrenByThread(p)) {
+      for (const k of kids) {
         if (skip.has(k)) continue;
         out.push(k);
         todo.push(k);
