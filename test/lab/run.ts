@@ -233,31 +233,41 @@ function finishedFiles(lines: string[]): Map<string, { total: number; passed: nu
 }
 
 /**
- * When the lab machine itself crashed, boot it once more for the test files
- * that had not finished (or the whole FORKLING_LAB_COMMAND), and count the
- * finished ones as they ended. Said loudly; a second crash fails the run.
+ * When the lab machine itself crashed, boot it again for the test files that
+ * had not finished (or the whole FORKLING_LAB_COMMAND), and count the finished
+ * ones as they ended. Said loudly each time; after FORKLING_LAB_CRASH_REBOOTS
+ * reboots (default 2) another crash fails the run. The crash is the lab's own
+ * kernel under QEMU's nested SVM, several times a day on a loaded machine.
  */
 async function rerunAfterLabCrash(first: Summary, startedAt: number): Promise<Summary> {
-  if (first.failures.length !== 1 || !/^the lab machine stopped/.test(first.failures[0] ?? '') || !labKernelPanicked(consoleLog)) return first;
-  if (process.env.FORKLING_LAB_COMMAND) {
-    say('LAB CRASH: the lab\'s own kernel panicked; booting the lab once more for the command');
-    return main(startedAt);
-  }
-  const done = finishedFiles(consoleLog);
+  const reboots = envInt('FORKLING_LAB_CRASH_REBOOTS', 2, 0);
   const filter = process.env.FORKLING_TEST_FILTER ? new RegExp(process.env.FORKLING_TEST_FILTER) : null;
   const all = readdirSync(join(REPO, 'test', 'kvm'))
     .filter((f) => f.endsWith('.test.ts'))
     .map((f) => `test/kvm/${f}`)
     .filter((f) => !filter || filter.test(f));
-  const left = all.filter((f) => !done.has(f));
-  if (left.length === 0) return first;
-  say(`LAB CRASH: the lab's own kernel panicked; ${done.size} test files had finished; booting the lab once more for: ${left.join(' ')}`);
-  const escaped = left.map((f) => f.replace(/[.*+?^${}()|[\]\\/]/g, '\\$&'));
-  process.env.FORKLING_TEST_FILTER = `^(${escaped.join('|')})$`;
-  const second = await main(startedAt);
-  let passed = second.passed;
-  let failed = second.failed;
-  const failures = [...second.failures];
+  const done = new Map<string, { total: number; passed: number }>();
+  let last = first;
+  for (let crash = 1; ; crash++) {
+    const crashed = last.failures.length === 1 && /^the lab machine stopped/.test(last.failures[0] ?? '') && labKernelPanicked(consoleLog);
+    if (!crashed || crash > reboots) break;
+    if (process.env.FORKLING_LAB_COMMAND) {
+      say(`LAB CRASH ${crash}/${reboots}: the lab's own kernel panicked; booting the lab again for the command`);
+      last = await main(startedAt);
+      continue;
+    }
+    for (const [f, r] of finishedFiles(consoleLog)) done.set(f, r);
+    const left = all.filter((f) => !done.has(f));
+    if (left.length === 0) break;
+    say(`LAB CRASH ${crash}/${reboots}: the lab's own kernel panicked; ${done.size} test files had finished; booting the lab again for: ${left.join(' ')}`);
+    const escaped = left.map((f) => f.replace(/[.*+?^${}()|[\]\\/]/g, '\\$&'));
+    process.env.FORKLING_TEST_FILTER = `^(${escaped.join('|')})$`;
+    last = await main(startedAt);
+  }
+  if (done.size === 0) return last;
+  let passed = last.passed;
+  let failed = last.failed;
+  const failures = [...last.failures];
   for (const [f, r] of done) {
     passed += r.passed;
     failed += r.total - r.passed;
