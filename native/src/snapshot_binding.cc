@@ -18,6 +18,8 @@
 #include "vmm/snapshot/diff_layer.h"
 #include "vmm/snapshot/memory_file.h"
 #include "vmm/snapshot/pagemap.h"
+#include "vmm/snapshot/reclaim.h"
+#include <cstring>
 #include "vmm/snapshot/state_file.h"
 #include "vmm/snapshot/vm_snapshot.h"
 
@@ -287,6 +289,54 @@ Napi::Value VmMemoryUsage(const Napi::CallbackInfo& info, vmm::Vm& vm) {
       o.Set("privateFrames", a);
     }
     return o;
+  });
+}
+
+Napi::Value VmReclaim(const Napi::CallbackInfo& info, vmm::Vm& vm) {
+  return Guard(info.Env(), [&]() -> Napi::Value {
+    ss::ReclaimResult r = ss::Reclaim(vm);
+    Napi::Env env = info.Env();
+    Napi::Object o = Napi::Object::New(env);
+    o.Set("privatePages", Napi::Number::New(env, double(r.private_pages)));
+    o.Set("droppedPages", Napi::Number::New(env, double(r.dropped_pages)));
+    o.Set("pauseUs", Napi::Number::New(env, double(r.pause_ns) / 1000.0));
+    o.Set("longestPauseUs", Napi::Number::New(env, double(r.longest_pause_ns) / 1000.0));
+    o.Set("totalUs", Napi::Number::New(env, double(r.total_ns) / 1000.0));
+    return o;
+  });
+}
+
+namespace {
+uint8_t* GuestSpan(const Napi::CallbackInfo& info, vmm::Vm& vm, uint64_t len) {
+  if (!info[0].IsNumber()) throw std::invalid_argument("the guest physical address must be a number");
+  double gpa = info[0].As<Napi::Number>().DoubleValue();
+  if (!(gpa >= 0) || gpa > 9007199254740991.0 || gpa != double(uint64_t(gpa)))
+    throw std::invalid_argument("the guest physical address must be a whole number >= 0");
+  uint8_t* p = vm.ram().memory().Ptr(uint64_t(gpa), len);
+  if (!p || len == 0) throw std::range_error("the range is not inside guest RAM");
+  return p;
+}
+}  // namespace
+
+Napi::Value VmGuestBytes(const Napi::CallbackInfo& info, vmm::Vm& vm) {
+  return Guard(info.Env(), [&]() -> Napi::Value {
+    if (!info[1].IsNumber()) throw std::invalid_argument("guestBytes(gpa, length)");
+    double n = info[1].As<Napi::Number>().DoubleValue();
+    if (!(n >= 1) || n > double(64u << 20) || n != double(uint64_t(n)))
+      throw std::invalid_argument("length must be 1..64 MiB");
+    uint8_t* p = GuestSpan(info, vm, uint64_t(n));
+    return Napi::Buffer<uint8_t>::Copy(info.Env(), p, size_t(n));
+  });
+}
+
+Napi::Value VmWriteGuestBytes(const Napi::CallbackInfo& info, vmm::Vm& vm) {
+  return Guard(info.Env(), [&]() -> Napi::Value {
+    uint8_t* src;
+    size_t n;
+    if (!Bytes(info[1], &src, &n)) throw std::invalid_argument("writeGuestBytes(gpa, bytes)");
+    uint8_t* p = GuestSpan(info, vm, n);
+    std::memcpy(p, src, n);
+    return info.Env().Undefined();
   });
 }
 

@@ -22,6 +22,12 @@ Napi::Value VmSaveTemplate(const Napi::CallbackInfo& info, vmm::Vm& vm);
 Napi::Value VmBranch(const Napi::CallbackInfo& info, vmm::Vm& vm);
 // vm.memoryUsage(): guest pages private to this VM and shared with the page cache.
 Napi::Value VmMemoryUsage(const Napi::CallbackInfo& info, vmm::Vm& vm);
+// vm.reclaim(): drops the private pages that equal the snapshot's again (vmm/snapshot/reclaim.h).
+Napi::Value VmReclaim(const Napi::CallbackInfo& info, vmm::Vm& vm);
+// vm.guestBytes(gpa, length) / vm.writeGuestBytes(gpa, bytes): host-side access
+// to guest RAM, for tests and diagnostics.
+Napi::Value VmGuestBytes(const Napi::CallbackInfo& info, vmm::Vm& vm);
+Napi::Value VmWriteGuestBytes(const Napi::CallbackInfo& info, vmm::Vm& vm);
 
 // Events of a VM created before anyone could listen: buffered until a
 // target is set, then forwarded (any thread).

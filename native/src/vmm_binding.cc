@@ -148,7 +148,10 @@ class VmWrap : public Napi::ObjectWrap<VmWrap> {
                         // Snapshots (snapshot_binding.cc).
                         InstanceMethod("saveTemplate", &VmWrap::SaveTemplate),
                         InstanceMethod("branch", &VmWrap::Branch),
-                        InstanceMethod("memoryUsage", &VmWrap::MemoryUsage)});
+                        InstanceMethod("memoryUsage", &VmWrap::MemoryUsage),
+                        InstanceMethod("reclaim", &VmWrap::Reclaim),
+                        InstanceMethod("guestBytes", &VmWrap::GuestBytes),
+                        InstanceMethod("writeGuestBytes", &VmWrap::WriteGuestBytes)});
   }
 
   VmWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<VmWrap>(info) {
@@ -244,6 +247,9 @@ class VmWrap : public Napi::ObjectWrap<VmWrap> {
   Napi::Value SaveTemplate(const Napi::CallbackInfo& info) { return VmSaveTemplate(info, Live(info.Env())); }
   Napi::Value Branch(const Napi::CallbackInfo& info) { return VmBranch(info, Live(info.Env())); }
   Napi::Value MemoryUsage(const Napi::CallbackInfo& info) { return VmMemoryUsage(info, Live(info.Env())); }
+  Napi::Value Reclaim(const Napi::CallbackInfo& info) { return VmReclaim(info, Live(info.Env())); }
+  Napi::Value GuestBytes(const Napi::CallbackInfo& info) { return VmGuestBytes(info, Live(info.Env())); }
+  Napi::Value WriteGuestBytes(const Napi::CallbackInfo& info) { return VmWriteGuestBytes(info, Live(info.Env())); }
   Napi::Value DebugState(const Napi::CallbackInfo& info) {
     return Napi::String::New(info.Env(), Live(info.Env()).DebugState());
   }

@@ -92,6 +92,27 @@ export interface NativeVm {
   /** Guest RAM pages this VM owns alone (private) and shares with the page cache. */
   /** With `frames`, also the guest frame numbers (gpa >> 12) of the pages the VM owns privately (a restored VM). */
   memoryUsage(opts?: { frames?: boolean }): { guestPrivateBytes: number; guestSharedBytes: number; guestMemfdBytes: number; privateFrames?: Float64Array };
+  /**
+   * A restored VM: drops its private pages that hold the snapshot's bytes
+   * again (they fall back to the shared memory file or diff layer; the guest
+   * cannot tell). Holds the vCPUs for moments only.
+   */
+  reclaim(): NativeReclaim;
+  /** Test and diagnostics only: a copy of guest RAM at a guest physical address. */
+  guestBytes(gpa: number, length: number): Buffer;
+  /** Test and diagnostics only: writes guest RAM from the host side. */
+  writeGuestBytes(gpa: number, bytes: Uint8Array): void;
+}
+
+export interface NativeReclaim {
+  /** Private pages before. */
+  privatePages: number;
+  /** Pages given back (shared with the page cache again). */
+  droppedPages: number;
+  /** vCPUs held, in all and at most at once. */
+  pauseUs: number;
+  longestPauseUs: number;
+  totalUs: number;
 }
 
 export interface NativeVmClass {

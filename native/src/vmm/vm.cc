@@ -606,6 +606,11 @@ void Vm::Pause() {
   run_cv_.wait(l, [&] { return paused_count_ + exited_count_ >= vcpus_.size(); });
 }
 
+bool Vm::PauseRequested() {
+  std::lock_guard<std::mutex> l(run_mu_);
+  return pause_requested_;
+}
+
 void Vm::Resume() {
   std::lock_guard<std::mutex> l(run_mu_);
   pause_requested_ = false;

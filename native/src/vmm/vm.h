@@ -83,6 +83,8 @@ class Vm {
   // Returns once every vCPU is out of KVM_RUN and waiting.
   void Pause();
   void Resume();
+  // Whether Pause() was asked for and not yet undone by Resume().
+  bool PauseRequested();
   // Stops the vCPUs, joins every thread, resets the devices and frees guest
   // RAM. Idempotent. Must not be called from a vCPU thread.
   void Kill();

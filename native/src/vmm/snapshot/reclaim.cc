@@ -1,0 +1,171 @@
+#include "vmm/snapshot/reclaim.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <stdexcept>
+#include <system_error>
+#include <vector>
+
+#include "vmm/snapshot/diff_layer.h"
+#include "vmm/snapshot/pagemap.h"
+#include "vmm/virtio_vsock.h"
+
+namespace forkling::vmm::snapshot {
+namespace {
+
+constexpr uint64_t kPage = 4096;
+// Candidates compared again per pause: 4 MiB of page copies at most.
+constexpr size_t kChunkPages = 1024;
+
+[[noreturn]] void Fail(const char* what) { throw std::system_error(errno, std::generic_category(), what); }
+
+bool IsZero(const uint8_t* p) {
+  const uint64_t* w = reinterpret_cast<const uint64_t*>(p);
+  uint64_t acc = 0;
+  for (size_t i = 0; i < kPage / 8; i++) acc |= w[i];
+  return acc == 0;
+}
+
+void PreadPage(int fd, uint8_t* buf, uint64_t off) {
+  for (size_t done = 0; done < kPage;) {
+    ssize_t r = pread(fd, buf + done, kPage - done, off_t(off + done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0) Fail("read a snapshot page");
+    if (r == 0) {  // past the end of a sparse file: zeros
+      std::memset(buf + done, 0, kPage - done);
+      return;
+    }
+    done += size_t(r);
+  }
+}
+
+// What the snapshot holds at each RAM page: the topmost diff layer that has
+// the page, else the memory file.
+class SnapshotPages {
+ public:
+  explicit SnapshotPages(const RestoreSpec& spec) : spec_(spec) {
+    fd_ = open(spec.memory_path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ < 0) Fail("open the memory file to compare pages");
+    // Single pages, no read-ahead into the page cache.
+    posix_fadvise(fd_, 0, 0, POSIX_FADV_RANDOM);
+  }
+  ~SnapshotPages() { close(fd_); }
+  SnapshotPages(const SnapshotPages&) = delete;
+  SnapshotPages& operator=(const SnapshotPages&) = delete;
+
+  // Copies the page into buf and returns true, or returns false for a hole
+  // of the memory file (zeros; read without making a page-cache page).
+  bool Read(uint64_t page, uint8_t* buf) const {
+    for (auto it = spec_.layers.rbegin(); it != spec_.layers.rend(); ++it) {
+      const DiffLayer& layer = **it;
+      const std::vector<DiffRun>& runs = layer.runs();  // sorted by page
+      auto r = std::upper_bound(runs.begin(), runs.end(), page, [](uint64_t p, const DiffRun& x) { return p < x.page; });
+      if (r == runs.begin()) continue;
+      --r;
+      if (page >= r->page + r->count) continue;
+      PreadPage(layer.fd(), buf, layer.data_offset() + (r->slot + page - r->page) * kPage);
+      return true;
+    }
+    const uint64_t off = page * kPage;
+    off_t data = lseek(fd_, off_t(off), SEEK_DATA);
+    if (data < 0) {
+      if (errno == ENXIO) return false;  // a hole up to the end
+      Fail("seek in the memory file");
+    }
+    if (uint64_t(data) != off) return false;
+    PreadPage(fd_, buf, off);
+    return true;
+  }
+
+ private:
+  const RestoreSpec& spec_;
+  int fd_ = -1;
+};
+
+}  // namespace
+
+ReclaimResult Reclaim(Vm& vm) {
+  std::shared_ptr<const RestoreSpec> origin = vm.origin();
+  if (!origin) throw std::runtime_error("only a VM restored from a snapshot can give pages back");
+  using Clock = std::chrono::steady_clock;
+  auto ns = [](Clock::time_point a, Clock::time_point b) {
+    return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count());
+  };
+  ReclaimResult r;
+  const auto t0 = Clock::now();
+  const GuestRam& ram = vm.ram();
+  if (!ram.host() || ram.shared() || vm.stopped()) return r;
+  const std::vector<uint64_t> priv = PrivatePages(ram.host(), ram.size());
+  r.private_pages = priv.size();
+  SnapshotPages snap(*origin);
+
+  struct Candidate {
+    uint64_t page;
+    int64_t copy;  // index into `copies`, -1: the snapshot page is zero
+  };
+  std::vector<Candidate> cands;
+  std::vector<uint8_t> copies(kChunkPages * kPage);
+  for (size_t i = 0; i < priv.size();) {
+    // While the guest runs: which private pages equal the snapshot's now.
+    cands.clear();
+    size_t used = 0;
+    for (; i < priv.size() && cands.size() < kChunkPages; i++) {
+      const uint8_t* host = ram.host() + priv[i] * kPage;
+      uint8_t* buf = copies.data() + used * kPage;
+      if (!snap.Read(priv[i], buf)) {
+        if (IsZero(host)) cands.push_back({priv[i], -1});
+      } else if (std::memcmp(host, buf, kPage) == 0) {
+        cands.push_back({priv[i], int64_t(used++)});
+      }
+    }
+    if (cands.empty()) continue;
+
+    // Held still: compare again, drop the equal ones in runs.
+    VirtioVsock* vsock = vm.vsock();
+    const bool owner_paused = vm.PauseRequested();
+    if (vsock) vsock->Pause();
+    const auto p0 = Clock::now();
+    if (!owner_paused) vm.Pause();
+    uint64_t start = 0, len = 0;
+    auto flush = [&] {
+      if (len && madvise(ram.host() + start * kPage, len * kPage, MADV_DONTNEED) != 0) Fail("madvise(MADV_DONTNEED)");
+      r.dropped_pages += len;
+      len = 0;
+    };
+    try {
+      for (const Candidate& c : cands) {
+        const uint8_t* host = ram.host() + c.page * kPage;
+        const bool same = c.copy < 0 ? IsZero(host) : std::memcmp(host, copies.data() + c.copy * kPage, kPage) == 0;
+        if (!same) {
+          flush();
+        } else if (len && start + len == c.page) {
+          len++;
+        } else {
+          flush();
+          start = c.page;
+          len = 1;
+        }
+      }
+      flush();
+    } catch (...) {
+      if (!owner_paused) vm.Resume();
+      if (vsock) vsock->Resume();
+      throw;
+    }
+    if (!owner_paused) vm.Resume();
+    const uint64_t paused = ns(p0, Clock::now());
+    if (vsock) vsock->Resume();
+    r.pause_ns += paused;
+    r.longest_pause_ns = std::max(r.longest_pause_ns, paused);
+  }
+  r.total_ns = ns(t0, Clock::now());
+  return r;
+}
+
+}  // namespace forkling::vmm::snapshot
