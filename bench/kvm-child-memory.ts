@@ -8,7 +8,10 @@
 //
 // Options: --image (default), --warmup (Python run in the template),
 // --no-init-on-free (the template's kernel without init_on_free=1: freed
-// pages are then not zeroed, so a child does not copy pages just to free them).
+// pages are then not zeroed, so a child does not copy pages just to free them),
+// --no-reclaim (do not give back, after each step, the pages that hold the
+// template's bytes again: vm.reclaim()).
+import { createHash } from 'node:crypto';
 import { rmSync } from 'node:fs';
 import { parseArgs } from 'node:util';
 import { KvmEngine } from '../host/engine/kvm/engine.ts';
@@ -21,6 +24,7 @@ const { values } = parseArgs({
     image: { type: 'string', default: 'default' },
     warmup: { type: 'string', default: 'import json, random, uuid' },
     'no-init-on-free': { type: 'boolean', default: false },
+    'no-reclaim': { type: 'boolean', default: false },
   },
 });
 
@@ -68,18 +72,45 @@ try {
   );
   const [child] = await labRetry('fork', () => engine.fork(name, 1));
   const sb = child!;
-  const steps: [string, number[]][] = [['restore answered (ready)', frames(sb)]];
-  await sb.agent.eval('1');
-  steps.push(['first eval answered', frames(sb)]);
+  const vm = sb.nativeVm();
+  // Each step: the private pages, then reclaim (pages equal to the template's
+  // again are given back) unless --no-reclaim, and the pages left.
+  const steps: { what: string; pages: number; left: number; us: number; held: number }[] = [];
+  let last: number[] = [];
+  const step = (what: string) => {
+    const pages = frames(sb).length;
+    let left = pages;
+    let us = 0;
+    let held = 0;
+    if (!values['no-reclaim']) {
+      const r = vm.reclaim();
+      left = r.privatePages - r.droppedPages;
+      us = r.totalUs;
+      held = r.longestPauseUs;
+    }
+    last = frames(sb);
+    steps.push({ what, pages, left, us, held });
+  };
+  step('restore answered (ready)');
+  if ((await sb.agent.eval('1 + 1')).value !== 2) throw new Error('first eval: wrong answer');
+  step('first eval answered');
   await new Promise((r) => setTimeout(r, 2000));
-  steps.push(['idle 2 s later', frames(sb)]);
+  step('idle 2 s later');
   await new Promise((r) => setTimeout(r, 8000));
-  steps.push(['idle 10 s later', frames(sb)]);
+  step('idle 10 s later');
+  // The child still works after its pages were given back.
+  const check = await sb.agent.eval('import hashlib; hashlib.sha256(bytes(range(256)) * 4096).hexdigest()');
+  const want = createHash('sha256').update(Buffer.concat(Array.from({ length: 4096 }, () => Buffer.from(Array.from({ length: 256 }, (_, i) => i))))).digest('hex');
+  if (check.value !== want) throw new Error(`eval after reclaim: wrong answer ${String(check.value)}`);
+  step('another eval answered');
   console.log(
-    `\nprivate guest memory of one forked child (image ${values.image}, warm-up ${JSON.stringify(values.warmup)}, init_on_free=${values['no-init-on-free'] ? 0 : 1})`,
+    `\nprivate guest memory of one forked child (image ${values.image}, warm-up ${JSON.stringify(values.warmup)}, init_on_free=${values['no-init-on-free'] ? 0 : 1}, reclaim ${values['no-reclaim'] ? 'off' : 'on'})`,
   );
-  for (const [what, f] of steps) console.log(`  ${what.padEnd(28)} ${String(f.length * 4).padStart(6)} KiB (${f.length} pages)`);
-  const last = steps[steps.length - 1]![1];
+  console.log(`  ${'step'.padEnd(28)} ${'private'.padStart(10)} ${'after reclaim'.padStart(14)} ${'reclaim took'.padStart(13)} ${'vCPUs held'.padStart(11)}`);
+  for (const s of steps)
+    console.log(
+      `  ${s.what.padEnd(28)} ${`${s.pages * 4} KiB`.padStart(10)} ${`${s.left * 4} KiB`.padStart(14)} ${`${(s.us / 1000).toFixed(2)} ms`.padStart(13)} ${`${(s.held / 1000).toFixed(2)} ms`.padStart(11)}`,
+    );
   const r = await sb.agent.exec(['python3', '-c', CLASSIFY], { stdin: new TextEncoder().encode(JSON.stringify(last)) });
   if (r.exitCode !== 0) throw new Error(`classifying inside the guest failed: ${new TextDecoder().decode(r.stderr)}`);
   const kinds = JSON.parse(new TextDecoder().decode(r.stdout)) as Record<string, number>;

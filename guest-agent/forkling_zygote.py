@@ -830,11 +830,7 @@ def _service(agent, lsock):
             agent.connections.add(conn)
             _bare_thread(conn.run)
         if _agent_mod.IS_PID1:
-            try:
-                exited = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            except ChildProcessError:
-                exited = None
-            seen = _agent_mod.reap_once(seen) if exited is not None else set()
+            seen = _agent_mod.reap_tick(seen)
 
 
 # ------------------------------------------------------------------ branch: copy a layer
