@@ -148,6 +148,12 @@ export class AgentClient {
     return this.pending.size;
   }
 
+  private readonly idleListeners: (() => void)[] = [];
+  /** Calls `fn` each time the last request in flight settles. */
+  onIdle(fn: () => void): void {
+    this.idleListeners.push(fn);
+  }
+
   /** Closes the stream; pending requests reject with code 'closed'. */
   close(): void {
     this.onClosed(new AgentError('closed', 'connection closed by the client'));
@@ -233,6 +239,7 @@ export class AgentClient {
     if (!p) return undefined;
     this.pending.delete(id);
     p.cleanup();
+    if (this.pending.size === 0) for (const fn of this.idleListeners) fn();
     return p;
   }
 

@@ -294,9 +294,24 @@ Napi::Value VmMemoryUsage(const Napi::CallbackInfo& info, vmm::Vm& vm) {
 
 Napi::Value VmReclaim(const Napi::CallbackInfo& info, vmm::Vm& vm) {
   return Guard(info.Env(), [&]() -> Napi::Value {
-    ss::ReclaimResult r = ss::Reclaim(vm);
+    uint64_t from = 0, max = ~uint64_t(0);
+    if (info.Length() > 0 && info[0].IsObject()) {
+      Napi::Object opts = info[0].As<Napi::Object>();
+      auto whole = [&](const char* key, uint64_t* out) {
+        Napi::Value v = opts.Get(key);
+        if (v.IsUndefined()) return;
+        double d = v.IsNumber() ? v.As<Napi::Number>().DoubleValue() : -1;
+        if (!(d >= 0) || d > 9007199254740991.0 || d != double(uint64_t(d)))
+          throw std::invalid_argument(std::string("reclaim: ") + key + " must be a whole number >= 0");
+        *out = uint64_t(d);
+      };
+      whole("fromPage", &from);
+      whole("maxPages", &max);
+    }
+    ss::ReclaimResult r = ss::Reclaim(vm, from, max);
     Napi::Env env = info.Env();
     Napi::Object o = Napi::Object::New(env);
+    o.Set("nextPage", r.done ? env.Null() : Napi::Number::New(env, double(r.next_page)));
     o.Set("privatePages", Napi::Number::New(env, double(r.private_pages)));
     o.Set("droppedPages", Napi::Number::New(env, double(r.dropped_pages)));
     o.Set("pauseUs", Napi::Number::New(env, double(r.pause_ns) / 1000.0));

@@ -115,6 +115,38 @@ test('children own few pages while alive; killing them frees their memory', asyn
   assert.is(mappingsOf(mem), 0, 'no child maps the memory file any more');
 });
 
+test('reclaim: a child gives back the pages it wrote back to the template; its data, files and sibling are intact', async () => {
+  const [a, b] = await fork(2);
+  try {
+    // Data of its own (1 MiB that is not the template's), a file in RAM, and
+    // a burst of Python work whose pages go back to what they were.
+    await a!.agent.eval('import hashlib\nX = bytes(range(256)) * 4096\nsum(len(str(i)) for i in range(200000))');
+    await a!.agent.writeFile('/tmp/kept', 'kept after reclaim');
+    const before = (await a!.stats()).privateKiB;
+    const r = await a!.reclaim();
+    const after = (await a!.stats()).privateKiB;
+    assert.ok(r.droppedPages > 0, `${r.droppedPages} of ${r.privatePages} pages given back`);
+    assert.ok(after < before, `private ${before} -> ${after} KiB`);
+    assert.ok(after >= 1024, 'the 1 MiB of its own data stays private');
+    const want = execFileSync('/usr/bin/python3', ['-c', 'import hashlib; print(hashlib.sha256(bytes(range(256)) * 4096).hexdigest())']).toString().trim();
+    assert.is((await a!.agent.eval('hashlib.sha256(X).hexdigest()')).value, want);
+    assert.is(new TextDecoder().decode(await a!.agent.readFile('/tmp/kept')), 'kept after reclaim');
+    assert.is((await a!.agent.eval('WARM')).value, 'warm-42');
+    assert.equal((await b!.agent.eval("('X' in globals(), WARM)")).value, [false, 'warm-42']);
+    // The engine reclaims by itself once the agent is idle (RECLAIM_IDLE_MS).
+    const passes = (await a!.stats()).counters.reclaimPasses!;
+    const deadline = Date.now() + 60_000;
+    while ((await a!.stats()).counters.reclaimPasses! <= passes) {
+      assert.ok(Date.now() < deadline, 'no reclaim pass while idle');
+      await new Promise((res) => setTimeout(res, 200));
+    }
+    assert.is((await a!.agent.eval('hashlib.sha256(X).hexdigest()')).value, want);
+    console.log(`    reclaim: private ${before} -> ${after} KiB (${r.droppedPages} of ${r.privatePages} pages given back)`);
+  } finally {
+    await Promise.all([a!.kill(), b!.kill()]);
+  }
+});
+
 test('a corrupted state file or memory file is refused', async () => {
   const bad = `${NAME}-bad`;
   const dir = templateDir(bad);

@@ -64,7 +64,16 @@ function checkResources(memoryMiB: number, vcpus: number): void {
 export interface KvmEngineOptions {
   /** How long each fork or branch child may take to answer restore (default CHILD_READY_TIMEOUT_MS; an emulated lab needs minutes for 100). */
   childReadyTimeoutMs?: number;
+  /**
+   * A forked or branched child gives back the pages it wrote back to the
+   * template's bytes once its agent has been idle this long (default
+   * RECLAIM_IDLE_MS; 0: never). See KvmSandbox.reclaim.
+   */
+  reclaimIdleMs?: number;
 }
+
+/** Idle time before a child's first reclaim pass. */
+export const RECLAIM_IDLE_MS = 1000;
 
 export class KvmEngine implements Engine {
   readonly name = 'kvm' as const;
@@ -149,6 +158,7 @@ export class KvmEngine implements Engine {
 
   private track(children: KvmSandbox[]): KvmSandbox[] {
     for (const c of children) {
+      c.reclaimWhenIdle(this.opts.reclaimIdleMs ?? RECLAIM_IDLE_MS);
       this.live.add(c);
       void c.exited.then(() => this.live.delete(c));
     }

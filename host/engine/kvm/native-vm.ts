@@ -95,9 +95,10 @@ export interface NativeVm {
   /**
    * A restored VM: drops its private pages that hold the snapshot's bytes
    * again (they fall back to the shared memory file or diff layer; the guest
-   * cannot tell). Holds the vCPUs for moments only.
+   * cannot tell). Holds the vCPUs for moments only. Looks at private pages
+   * from RAM page `fromPage` on, at most `maxPages` of them (default: all).
    */
-  reclaim(): NativeReclaim;
+  reclaim(opts?: { fromPage?: number; maxPages?: number }): NativeReclaim;
   /** Test and diagnostics only: a copy of guest RAM at a guest physical address. */
   guestBytes(gpa: number, length: number): Buffer;
   /** Test and diagnostics only: writes guest RAM from the host side. */
@@ -105,8 +106,10 @@ export interface NativeVm {
 }
 
 export interface NativeReclaim {
-  /** Private pages before. */
+  /** Private pages looked at. */
   privatePages: number;
+  /** Where to go on (maxPages was reached), or null when done. */
+  nextPage: number | null;
   /** Pages given back (shared with the page cache again). */
   droppedPages: number;
   /** vCPUs held, in all and at most at once. */

@@ -426,10 +426,10 @@ void Vm::VcpuLoop(uint32_t index) {
     if (stop_flag_.load()) break;
     {
       std::unique_lock<std::mutex> l(run_mu_);
-      if (pause_requested_) {
+      if (pause_requested_ || holds_) {
         paused_count_++;
         run_cv_.notify_all();
-        run_cv_.wait(l, [&] { return !pause_requested_ || stop_flag_.load(); });
+        run_cv_.wait(l, [&] { return (!pause_requested_ && !holds_) || stop_flag_.load(); });
         paused_count_--;
         continue;
       }
@@ -601,9 +601,7 @@ void Vm::Pause() {
     std::lock_guard<std::mutex> l(run_mu_);
     pause_requested_ = true;
   }
-  KickAll();
-  std::unique_lock<std::mutex> l(run_mu_);
-  run_cv_.wait(l, [&] { return paused_count_ + exited_count_ >= vcpus_.size(); });
+  WaitStopped();
 }
 
 bool Vm::PauseRequested() {
@@ -617,6 +615,26 @@ void Vm::Resume() {
   run_cv_.notify_all();
 }
 
+void Vm::Hold() {
+  {
+    std::lock_guard<std::mutex> l(run_mu_);
+    holds_++;
+  }
+  if (started_ && !stop_flag_) WaitStopped();
+}
+
+void Vm::Release() {
+  std::lock_guard<std::mutex> l(run_mu_);
+  if (holds_) holds_--;
+  run_cv_.notify_all();
+}
+
+void Vm::WaitStopped() {
+  KickAll();
+  std::unique_lock<std::mutex> l(run_mu_);
+  run_cv_.wait(l, [&] { return paused_count_ + exited_count_ >= vcpus_.size(); });
+}
+
 void Vm::HaltWatch() {
   std::unique_lock<std::mutex> l(halt_mu_);
   halt_cv_.wait(l, [&] { return halt_hint_ || stop_flag_.load(); });
@@ -624,7 +642,7 @@ void Vm::HaltWatch() {
   for (int attempt = 0; attempt < 100 && !stop_flag_; attempt++) {
     if (halt_cv_.wait_for(l, std::chrono::milliseconds(20), [&] { return stop_flag_.load(); })) return;
     l.unlock();
-    Pause();
+    Hold();
     bool all_halted = !stop_flag_;
     for (auto& v : vcpus_) {
       kvm_mp_state mp;
@@ -635,7 +653,7 @@ void Vm::HaltWatch() {
         break;
       }
     }
-    Resume();
+    Release();
     if (all_halted) {
       RequestStop("poweroff", "the guest powered off (all vCPUs halted with interrupts disabled)");
       return;
@@ -697,8 +715,7 @@ std::string Vm::VcpuRegs(const Vcpu& v) {
 
 std::string Vm::DebugState() {
   if (!started_ || killed_) return "";
-  bool was_running = !stop_flag_;
-  if (was_running) Pause();
+  Hold();
   std::string out;
   char line[256];
   for (size_t i = 0; i < vcpus_.size(); i++) {
@@ -714,7 +731,7 @@ std::string Vm::DebugState() {
              (unsigned long long)s.efer, s.cs.selector, mp.mp_state);
     out += line;
   }
-  if (was_running) Resume();
+  Release();
   return out;
 }
 

@@ -80,11 +80,17 @@ class Vm {
   Vm& operator=(const Vm&) = delete;
 
   void Start();
-  // Returns once every vCPU is out of KVM_RUN and waiting.
+  // The owner's pause (the sandbox's pause/resume): returns once every vCPU
+  // is out of KVM_RUN and waiting. Not counted: one Resume undoes any Pauses.
   void Pause();
   void Resume();
-  // Whether Pause() was asked for and not yet undone by Resume().
   bool PauseRequested();
+  // A hold of the VMM's own (branch, reclaim, debug dump, poweroff check),
+  // counted and apart from the owner's pause, so that neither ends the
+  // other: the vCPUs run only when no hold is left and the owner has not
+  // paused. Returns once every vCPU is out of KVM_RUN.
+  void Hold();
+  void Release();
   // Stops the vCPUs, joins every thread, resets the devices and frees guest
   // RAM. Idempotent. Must not be called from a vCPU thread.
   void Kill();
@@ -143,6 +149,8 @@ class Vm {
   void HandleMmio(kvm_run* run);
   void RequestStop(const std::string& reason, const std::string& message);
   void KickAll();
+  // Kicks every vCPU out of KVM_RUN and waits until each waits or has exited.
+  void WaitStopped();
   void IrqPulse(uint32_t irq);
   void SignalMsi(uint64_t address, uint32_t data);
   void ConsoleByte(uint8_t b);
@@ -182,7 +190,8 @@ class Vm {
   std::atomic<bool> killed_{false};
   std::mutex run_mu_;
   std::condition_variable run_cv_;
-  bool pause_requested_ = false;
+  bool pause_requested_ = false;  // by the owner
+  uint32_t holds_ = 0;
   uint32_t paused_count_ = 0;
   uint32_t exited_count_ = 0;
 

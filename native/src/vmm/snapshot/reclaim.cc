@@ -22,6 +22,8 @@ namespace {
 constexpr uint64_t kPage = 4096;
 // Candidates compared again per pause: 4 MiB of page copies at most.
 constexpr size_t kChunkPages = 1024;
+// Pagemap read per step: 128 MiB of RAM.
+constexpr uint64_t kWindowPages = 32768;
 
 [[noreturn]] void Fail(const char* what) { throw std::system_error(errno, std::generic_category(), what); }
 
@@ -90,7 +92,7 @@ class SnapshotPages {
 
 }  // namespace
 
-ReclaimResult Reclaim(Vm& vm) {
+ReclaimResult Reclaim(Vm& vm, uint64_t from_page, uint64_t max_pages) {
   std::shared_ptr<const RestoreSpec> origin = vm.origin();
   if (!origin) throw std::runtime_error("only a VM restored from a snapshot can give pages back");
   using Clock = std::chrono::steady_clock;
@@ -100,8 +102,21 @@ ReclaimResult Reclaim(Vm& vm) {
   ReclaimResult r;
   const auto t0 = Clock::now();
   const GuestRam& ram = vm.ram();
-  if (!ram.host() || ram.shared() || vm.stopped()) return r;
-  const std::vector<uint64_t> priv = PrivatePages(ram.host(), ram.size());
+  if (!ram.host() || ram.shared() || vm.stopped() || max_pages == 0) return r;
+  const uint64_t ram_pages = ram.size() / kPage;
+  std::vector<uint64_t> priv;
+  for (uint64_t at = from_page; at < ram_pages && r.done;) {
+    const uint64_t n = std::min(kWindowPages, ram_pages - at);
+    for (uint64_t p : PrivatePages(ram.host() + at * kPage, n * kPage)) {
+      if (priv.size() == max_pages) {
+        r.done = false;
+        r.next_page = at + p;
+        break;
+      }
+      priv.push_back(at + p);
+    }
+    at += n;
+  }
   r.private_pages = priv.size();
   SnapshotPages snap(*origin);
 
@@ -128,10 +143,9 @@ ReclaimResult Reclaim(Vm& vm) {
 
     // Held still: compare again, drop the equal ones in runs.
     VirtioVsock* vsock = vm.vsock();
-    const bool owner_paused = vm.PauseRequested();
     if (vsock) vsock->Pause();
     const auto p0 = Clock::now();
-    if (!owner_paused) vm.Pause();
+    vm.Hold();
     uint64_t start = 0, len = 0;
     auto flush = [&] {
       if (len && madvise(ram.host() + start * kPage, len * kPage, MADV_DONTNEED) != 0) Fail("madvise(MADV_DONTNEED)");
@@ -154,11 +168,11 @@ ReclaimResult Reclaim(Vm& vm) {
       }
       flush();
     } catch (...) {
-      if (!owner_paused) vm.Resume();
+      vm.Release();
       if (vsock) vsock->Resume();
       throw;
     }
-    if (!owner_paused) vm.Resume();
+    vm.Release();
     const uint64_t paused = ns(p0, Clock::now());
     if (vsock) vsock->Resume();
     r.pause_ns += paused;

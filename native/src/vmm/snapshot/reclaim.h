@@ -23,14 +23,19 @@
 namespace forkling::vmm::snapshot {
 
 struct ReclaimResult {
-  uint64_t private_pages = 0;  // before
+  uint64_t private_pages = 0;  // looked at (private before)
   uint64_t dropped_pages = 0;  // equal to the snapshot's again: now shared
+  // RAM page to go on from when max_pages stopped the call early.
+  bool done = true;
+  uint64_t next_page = 0;
   uint64_t pause_ns = 0;       // vCPUs held, summed over chunks
   uint64_t longest_pause_ns = 0;
   uint64_t total_ns = 0;
 };
-// The VM must be restored from a snapshot (origin() set). A VM paused by its
-// owner stays paused.
-ReclaimResult Reclaim(Vm& vm);
+// Looks at the private pages from RAM page `from_page` on, at most
+// `max_pages` of them (a caller on an event loop goes on in slices). The VM
+// must be restored from a snapshot (origin() set). Its owner's pause is left
+// as it is (vm.Hold()).
+ReclaimResult Reclaim(Vm& vm, uint64_t from_page = 0, uint64_t max_pages = ~uint64_t(0));
 
 }  // namespace forkling::vmm::snapshot

@@ -342,7 +342,7 @@ BranchResult Branch(Vm& vm, const std::string& dir) {
     r.precopy_pages = pages.size();
 
     auto t0 = Clock::now();
-    vm.Pause();
+    vm.Hold();
     try {
       auto t1 = Clock::now();
       std::vector<uint64_t> again = vm.TakeDirtyPages();
@@ -361,10 +361,10 @@ BranchResult Branch(Vm& vm, const std::string& dir) {
       r.save_ns = ns(t3, t4);
       r.recopied_pages = again.size();
     } catch (...) {
-      vm.Resume();
+      vm.Release();
       throw;
     }
-    vm.Resume();
+    vm.Release();
     r.pause_ns = ns(t0, Clock::now());
     vm.SetDirtyLogging(false);
     logging = false;
