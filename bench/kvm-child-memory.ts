@@ -76,9 +76,11 @@ try {
   // Each step: the private pages, then reclaim (pages equal to the template's
   // again are given back) unless --no-reclaim, and the pages left.
   const steps: { what: string; pages: number; left: number; us: number; held: number }[] = [];
-  let last: number[] = [];
+  let idle: number[] = [];
   const step = (what: string) => {
-    const pages = frames(sb).length;
+    const before = frames(sb);
+    const pages = before.length;
+    if (what.startsWith('idle 10 s')) idle = before;
     let left = pages;
     let us = 0;
     let held = 0;
@@ -88,7 +90,6 @@ try {
       us = r.totalUs;
       held = r.longestPauseUs;
     }
-    last = frames(sb);
     steps.push({ what, pages, left, us, held });
   };
   step('restore answered (ready)');
@@ -111,10 +112,11 @@ try {
     console.log(
       `  ${s.what.padEnd(28)} ${`${s.pages * 4} KiB`.padStart(10)} ${`${s.left * 4} KiB`.padStart(14)} ${`${(s.us / 1000).toFixed(2)} ms`.padStart(13)} ${`${(s.held / 1000).toFixed(2)} ms`.padStart(11)}`,
     );
-  const r = await sb.agent.exec(['python3', '-c', CLASSIFY], { stdin: new TextEncoder().encode(JSON.stringify(last)) });
+  // What an idle child holds (before that step's reclaim): classified now.
+  const r = await sb.agent.exec(['python3', '-c', CLASSIFY], { stdin: new TextEncoder().encode(JSON.stringify(idle)) });
   if (r.exitCode !== 0) throw new Error(`classifying inside the guest failed: ${new TextDecoder().decode(r.stderr)}`);
   const kinds = JSON.parse(new TextDecoder().decode(r.stdout)) as Record<string, number>;
-  console.log('  what those pages hold now (guest /proc/kpageflags, /proc/iomem):');
+  console.log('  what the pages private at "idle 10 s later" hold (guest /proc/kpageflags, /proc/iomem):');
   for (const [k, n] of Object.entries(kinds).sort((a, b) => b[1] - a[1])) console.log(`    ${k.padEnd(46)} ${String(n * 4).padStart(6)} KiB`);
   await sb.kill();
 } finally {
