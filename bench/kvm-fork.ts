@@ -260,8 +260,11 @@ async function linux(): Promise<void> {
       const after = hostMemory();
       const ready = kids.map((k) => k.timings.readyAt - k.timings.startedAt);
       const priv = await Promise.all(kids.map(async (k) => (await k.stats()).privateKiB));
-      // The same children idle a while later (the guest kernel's timers, the agent's threads).
-      await new Promise((r) => setTimeout(r, 2000));
+      // The same children idle a while later (the guest kernel's timers, the
+      // agent's threads), after the engine's own reclaim pass (at RECLAIM_IDLE_MS).
+      const idleDeadline = performance.now() + 600_000;
+      while (kids.some((k) => k.reclaimed.passes === 0) && performance.now() < idleDeadline) await new Promise((r) => setTimeout(r, 200));
+      await new Promise((r) => setTimeout(r, 1000));
       const idle = await Promise.all(kids.map(async (k) => (await k.stats()).privateKiB));
       rows.push({
         what: `fork N=${n}`,
@@ -271,7 +274,7 @@ async function linux(): Promise<void> {
         createMs: NaN,
         privKiB: priv.reduce((a, b) => a + b, 0) / n,
         hostKiB: (after.anon - before.anon + after.secPageTables - before.secPageTables + after.slab - before.slab) / n,
-        note: `ready = agent restore answered; all = first eval answered; private 2 s later ${f(idle.reduce((a, b) => a + b, 0) / n)} KiB`,
+        note: `ready = agent restore answered; all = first eval answered; private when idle, 1 s after the engine's reclaim pass: ${f(idle.reduce((a, b) => a + b, 0) / n)} KiB`,
       });
       await Promise.all(kids.map((k) => k.kill()));
     }
