@@ -4,7 +4,7 @@
 // copy-on-write mappings of the memory file, corrupt templates are refused,
 // branches of branches to depth 9 continue their source, and killed children
 // leave no mapping behind.
-import { mkdtempSync, readFileSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
+import { mkdtempSync, readFileSync, renameSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { test } from 'uvu';
@@ -296,6 +296,26 @@ test('reclaim: pages written back to the snapshot\'s bytes are given back, the r
   assert.equal(d.vm.guestBytes(0x303000, 4096), fill(0xab));
   const e = await d.more(1);
   assert.ok((await d.more(1)) > e);
+  // Reclaim compares with the file the child maps, not with whatever the
+  // path names now: the template made again (a new file renamed over it).
+  const memPath = join(tpl, 'memory.bin');
+  const original = readFileSync(memPath);
+  const changed = Buffer.from(original);
+  changed.fill(0x5a, 0x304000, 0x305000);
+  writeFileSync(`${memPath}.new`, changed);
+  renameSync(`${memPath}.new`, memPath);
+  try {
+    c.vm.writeGuestBytes(0x304000, fill(0x5a)); // the new file's bytes, not the mapped file's
+    c.vm.writeGuestBytes(0x305000, c.vm.guestBytes(0x305000, 4096)); // the mapped file's bytes
+    c.vm.reclaim();
+    const now = frames(c);
+    assert.ok(now.includes(0x304), 'a page equal only to the replacing file stays private');
+    assert.not.ok(now.includes(0x305));
+    assert.equal(c.vm.guestBytes(0x304000, 4096), fill(0x5a));
+  } finally {
+    writeFileSync(`${memPath}.new`, original);
+    renameSync(`${memPath}.new`, memPath);
+  }
   console.log(`    reclaim: ${r.droppedPages} of ${r.privatePages} pages given back in ${r.totalUs.toFixed(0)} µs (vCPUs held ${r.pauseUs.toFixed(0)} µs)`);
   c.vm.kill();
   d.vm.kill();

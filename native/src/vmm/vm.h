@@ -33,9 +33,27 @@ class DiffLayer;
 // Where a restored VM's RAM and state come from (vmm/snapshot/vm_snapshot.cc):
 // a template's memory file mapped MAP_PRIVATE, branch diff layers mapped over
 // it (oldest first), and the saved state sections.
+// An open file descriptor shared by the specs and VMs that use it; closed
+// with the last of them.
+class SharedFd {
+ public:
+  explicit SharedFd(int fd) : fd_(fd) {}
+  ~SharedFd();
+  SharedFd(const SharedFd&) = delete;
+  SharedFd& operator=(const SharedFd&) = delete;
+  int get() const { return fd_; }
+
+ private:
+  int fd_;
+};
+
 struct RestoreSpec {
   std::string what;  // for errors, e.g. "template py"
   std::string memory_path;
+  // The memory file as opened and checked when the template was loaded:
+  // children map it and reclaim compares with it even if the template is
+  // replaced or removed meanwhile.
+  std::shared_ptr<const SharedFd> memory_fd;
   std::vector<std::shared_ptr<snapshot::DiffLayer>> layers;
   std::vector<snapshot::Section> state;
   uint64_t memory_bytes = 0;

@@ -52,12 +52,17 @@ void PreadPage(int fd, uint8_t* buf, uint64_t off) {
 class SnapshotPages {
  public:
   explicit SnapshotPages(const RestoreSpec& spec) : spec_(spec) {
-    fd_ = open(spec.memory_path.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd_ < 0) Fail("open the memory file to compare pages");
-    // Single pages, no read-ahead into the page cache.
-    posix_fadvise(fd_, 0, 0, POSIX_FADV_RANDOM);
+    if (!spec.memory_fd) throw std::logic_error(spec.what + ": the snapshot has no open memory file");
+    // The very file the VM maps (not whatever its path names now), opened
+    // anew so that the hint below stays ours: single pages, no read-ahead
+    // into the page cache.
+    const std::string self = "/proc/self/fd/" + std::to_string(spec.memory_fd->get());
+    fd_ = open(self.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd_ >= 0) posix_fadvise(fd_, 0, 0, POSIX_FADV_RANDOM);
   }
-  ~SnapshotPages() { close(fd_); }
+  ~SnapshotPages() {
+    if (fd_ >= 0) close(fd_);
+  }
   SnapshotPages(const SnapshotPages&) = delete;
   SnapshotPages& operator=(const SnapshotPages&) = delete;
 
@@ -75,13 +80,14 @@ class SnapshotPages {
       return true;
     }
     const uint64_t off = page * kPage;
-    off_t data = lseek(fd_, off_t(off), SEEK_DATA);
+    const int fd = fd_ >= 0 ? fd_ : spec_.memory_fd->get();
+    off_t data = lseek(fd, off_t(off), SEEK_DATA);
     if (data < 0) {
       if (errno == ENXIO) return false;  // a hole up to the end
       Fail("seek in the memory file");
     }
     if (uint64_t(data) != off) return false;
-    PreadPage(fd_, buf, off);
+    PreadPage(fd, buf, off);
     return true;
   }
 

@@ -148,18 +148,12 @@ std::vector<Section> Vm::SaveState() {
 }
 
 void Vm::RestoreRam(const RestoreSpec& spec) {
-  int fd = open(spec.memory_path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0)
-    throw CorruptError(spec.what + " is corrupt: cannot open its memory file " + spec.memory_path + ": " +
-                       std::strerror(errno));
-  try {
-    uint8_t* host = MapLayered(fd, spec.memory_bytes, spec.layers);
-    close(fd);
-    ram_ = GuestRam::AdoptPrivate(host, spec.memory_bytes);
-  } catch (...) {
-    close(fd);
-    throw;
-  }
+  if (!spec.memory_fd) throw std::logic_error(spec.what + ": the snapshot has no open memory file");
+  ram_ = GuestRam::AdoptPrivate(MapLayered(spec.memory_fd->get(), spec.memory_bytes, spec.layers), spec.memory_bytes);
+}
+
+SharedFd::~SharedFd() {
+  if (fd_ >= 0) close(fd_);
 }
 
 void Vm::RestoreState(const RestoreSpec& spec) {
@@ -304,7 +298,17 @@ std::shared_ptr<RestoreSpec> LoadTemplate(const std::string& dir, const std::str
   if (mem.size != meta.memory_bytes)
     throw CorruptError(what + " is corrupt: the memory file size does not match the VM's memory");
   spec->memory_path = dir + "/memory.bin";
+  int fd = open(spec->memory_path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0)
+    throw CorruptError(what + " is corrupt: memory file " + spec->memory_path + " is missing (" + std::strerror(errno) + ")");
+  spec->memory_fd = std::make_shared<const SharedFd>(fd);
   VerifyMemoryFile(spec->memory_path, mem, what);
+  // What was checked must be what is open (the template directory is
+  // replaced as a whole when a template is made again).
+  struct stat open_st, path_st;
+  if (fstat(fd, &open_st) != 0 || stat(spec->memory_path.c_str(), &path_st) != 0 || open_st.st_dev != path_st.st_dev ||
+      open_st.st_ino != path_st.st_ino)
+    throw std::runtime_error(what + " was replaced while it was loaded; try again");
   spec->memory_bytes = meta.memory_bytes;
   spec->vcpus = meta.vcpus;
   return spec;
