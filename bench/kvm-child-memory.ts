@@ -10,7 +10,8 @@
 // --no-init-on-free (the template's kernel without init_on_free=1: freed
 // pages are then not zeroed, so a child does not copy pages just to free them),
 // --no-reclaim (do not give back, after each step, the pages that hold the
-// template's bytes again: vm.reclaim()).
+// template's bytes again: vm.reclaim()), --kernel-args '<extra guest kernel
+// arguments for the template>'.
 import { createHash } from 'node:crypto';
 import { rmSync } from 'node:fs';
 import { parseArgs } from 'node:util';
@@ -25,6 +26,7 @@ const { values } = parseArgs({
     warmup: { type: 'string', default: 'import json, random, uuid' },
     'no-init-on-free': { type: 'boolean', default: false },
     'no-reclaim': { type: 'boolean', default: false },
+    'kernel-args': { type: 'string', default: '' },
   },
 });
 
@@ -69,7 +71,12 @@ const engine = new KvmEngine({ reclaimIdleMs: 0 });
 const name = `child-memory-${process.pid}`;
 try {
   await labRetry('template boot', () =>
-    engine.createTemplate({ name, image: values.image!, warmup: values.warmup!, boot: { initOnFree: !values['no-init-on-free'] } }),
+    engine.createTemplate({
+      name,
+      image: values.image!,
+      warmup: values.warmup!,
+      boot: { initOnFree: !values['no-init-on-free'], kernelArgs: values['kernel-args']!.split(' ').filter(Boolean) },
+    }),
   );
   const [child] = await labRetry('fork', () => engine.fork(name, 1));
   const sb = child!;
@@ -106,7 +113,7 @@ try {
   if (check.value !== want) throw new Error(`eval after reclaim: wrong answer ${String(check.value)}`);
   step('another eval answered');
   console.log(
-    `\nprivate guest memory of one forked child (image ${values.image}, warm-up ${JSON.stringify(values.warmup)}, init_on_free=${values['no-init-on-free'] ? 0 : 1}, reclaim ${values['no-reclaim'] ? 'off' : 'on'})`,
+    `\nprivate guest memory of one forked child (image ${values.image}, warm-up ${JSON.stringify(values.warmup)}, init_on_free=${values['no-init-on-free'] ? 0 : 1}, kernel args ${JSON.stringify(values['kernel-args'])}, reclaim ${values['no-reclaim'] ? 'off' : 'on'})`,
   );
   console.log(`  ${'step'.padEnd(28)} ${'private'.padStart(10)} ${'after reclaim'.padStart(14)} ${'reclaim took'.padStart(13)} ${'vCPUs held'.padStart(11)}`);
   for (const s of steps)

@@ -813,6 +813,11 @@ class Agent:
         self.contexts = {'default': new_namespace()}
         self.connections = set()
         self.listeners = []
+        # Connection threads: one that finished waits here for the next
+        # connection (see _serve).
+        self.conn_handoff = queue.SimpleQueue()
+        self.conn_parked = 0
+        self.conn_lock = threading.Lock()
         self.procs = {}  # procId -> Proc
         self.proc_seq = 0
         self.procs_lock = threading.Lock()
@@ -878,7 +883,30 @@ class Agent:
                 continue
             conn = Connection(self, sock, peer)
             self.connections.add(conn)
-            run_thread(conn.run, name='conn')
+            self._serve(conn)
+
+    def _serve(self, conn):
+        """Runs a connection on the parked connection thread if there is one,
+        else on a new thread. A template parks one (its rehearsed connections
+        ended), so a forked VM's first connection starts no thread: no new
+        kernel task, kernel stack or Python thread state to copy into the
+        child's memory."""
+        with self.conn_lock:
+            if self.conn_parked:
+                self.conn_parked -= 1
+                self.conn_handoff.put(conn)
+                return
+        run_thread(self._conn_thread, conn, name='conn')
+
+    def _conn_thread(self, conn):
+        while True:
+            conn.run()
+            conn = None
+            with self.conn_lock:
+                if self.conn_parked >= 1 or self.stopping:
+                    return
+                self.conn_parked += 1
+            conn = self.conn_handoff.get()
 
     # -- eval, main thread
     def eval_loop(self):

@@ -751,6 +751,9 @@ def _reset_agent(agent):
         except OSError:
             pass
     agent.connections = set()
+    agent.conn_handoff = queue.SimpleQueue()
+    agent.conn_parked = 0  # the parent's parked thread is not in this process
+    agent.conn_lock = threading.Lock()
     for s in agent.listeners:
         try:
             s.close()
