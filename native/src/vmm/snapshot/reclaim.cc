@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <memory>
 #include <stdexcept>
 #include <system_error>
 #include <vector>
@@ -124,6 +125,10 @@ ReclaimResult Reclaim(Vm& vm, uint64_t from_page, uint64_t max_pages) {
     at += n;
   }
   r.private_pages = priv.size();
+  if (priv.empty()) {
+    r.total_ns = ns(t0, Clock::now());
+    return r;
+  }
   SnapshotPages snap(*origin);
 
   struct Candidate {
@@ -131,14 +136,15 @@ ReclaimResult Reclaim(Vm& vm, uint64_t from_page, uint64_t max_pages) {
     int64_t copy;  // index into `copies`, -1: the snapshot page is zero
   };
   std::vector<Candidate> cands;
-  std::vector<uint8_t> copies(kChunkPages * kPage);
+  // Not zero-filled: only the slots used are written (and so backed).
+  std::unique_ptr<uint8_t[]> copies(new uint8_t[std::min(priv.size(), kChunkPages) * kPage]);
   for (size_t i = 0; i < priv.size();) {
     // While the guest runs: which private pages equal the snapshot's now.
     cands.clear();
     size_t used = 0;
     for (; i < priv.size() && cands.size() < kChunkPages; i++) {
       const uint8_t* host = ram.host() + priv[i] * kPage;
-      uint8_t* buf = copies.data() + used * kPage;
+      uint8_t* buf = copies.get() + used * kPage;
       if (!snap.Read(priv[i], buf)) {
         if (IsZero(host)) cands.push_back({priv[i], -1});
       } else if (std::memcmp(host, buf, kPage) == 0) {
@@ -161,7 +167,7 @@ ReclaimResult Reclaim(Vm& vm, uint64_t from_page, uint64_t max_pages) {
     try {
       for (const Candidate& c : cands) {
         const uint8_t* host = ram.host() + c.page * kPage;
-        const bool same = c.copy < 0 ? IsZero(host) : std::memcmp(host, copies.data() + c.copy * kPage, kPage) == 0;
+        const bool same = c.copy < 0 ? IsZero(host) : std::memcmp(host, copies.get() + c.copy * kPage, kPage) == 0;
         if (!same) {
           flush();
         } else if (len && start + len == c.page) {
