@@ -10,6 +10,7 @@
 //                           store overlay and /tmp live in RAM; QEMU only backs what is touched)
 //   FORKLING_LAB_CPUS       its vCPUs (default 2)
 //   FORKLING_LAB_CPU        QEMU CPU model (default EPYC,+svm,+npt)
+//   FORKLING_LAB_ACCEL      QEMU -accel (default tcg; e.g. tcg,thread=single)
 //   FORKLING_LAB_BUSYBOX    static busybox to use (default /bin/busybox)
 //   FORKLING_HOME           the store; mounted inside (writes go to an overlay in the lab's RAM)
 //   FORKLING_TEST_FILTER, CI  passed to the inner suite
@@ -81,6 +82,7 @@ async function main(startedAt: number): Promise<Summary> {
   const memMb = envInt('FORKLING_LAB_MEM_MB', 6144, 1024);
   const cpus = envInt('FORKLING_LAB_CPUS', 2, 1);
   const cpu = process.env.FORKLING_LAB_CPU || 'EPYC,+svm,+npt';
+  const accel = process.env.FORKLING_LAB_ACCEL || 'tcg';
   const fail = (why: string): Summary => ({ startedAt, passed: 0, failed: 1, failures: [why] });
 
   if (!existsSync(ADDON_PATH)) {
@@ -114,7 +116,7 @@ async function main(startedAt: number): Promise<Summary> {
   });
 
   const args = [
-    '-M', 'q35', '-accel', 'tcg', '-cpu', cpu, '-m', String(memMb), '-smp', String(cpus),
+    '-M', 'q35', '-accel', accel, '-cpu', cpu, '-m', String(memMb), '-smp', String(cpus),
     '-kernel', kernel.vmlinuz, '-initrd', initrd,
     '-append', 'console=ttyS0 quiet loglevel=4 panic=-1 rdinit=/init',
     '-display', 'none', '-vga', 'none', '-monitor', 'none', '-serial', 'stdio', '-nic', 'none', '-no-reboot',
