@@ -151,9 +151,10 @@ export class KvmSandbox implements Sandbox {
   private reclaimTimer: NodeJS.Timeout | null = null;
   private reclaimIdleMs = 0;
   private reclaimDelayMs = 0;
-  private reclaiming: Promise<ReclaimFigures> | null = null;
-  /** Reclaim passes so far and the pages they gave back. */
-  readonly reclaimed = { passes: 0, pages: 0 };
+  /** The pass running now (one at a time). */
+  private reclaiming: Promise<unknown> | null = null;
+  /** Reclaim passes so far and the pages they gave back; why idle passes stopped, if they failed. */
+  readonly reclaimed: { passes: number; pages: number; failed?: string } = { passes: 0, pages: 0 };
 
   /** Reclaims `idleMs` after the agent last went idle (0: never). */
   reclaimWhenIdle(idleMs: number): void {
@@ -166,10 +167,19 @@ export class KvmSandbox implements Sandbox {
   private armReclaim(): void {
     if (this.reclaimTimer) clearTimeout(this.reclaimTimer);
     this.reclaimTimer = null;
-    if (!this.vm) return;
+    if (!this.vm || this.reclaimed.failed) return;
     this.reclaimTimer = setTimeout(() => {
       this.reclaimTimer = null;
-      if (this.vm && this.client?.inFlight === 0) void this.reclaim().catch(() => {});
+      if (!this.vm || this.client?.inFlight !== 0 || this.reclaiming) return;
+      // A pass started here gives way to the next request (at a slice's end).
+      this.reclaiming = this.reclaimSlices(() => (this.client?.inFlight ?? 0) > 0)
+        .catch((e: Error) => {
+          if (this.vm) this.reclaimed.failed = e.message; // no more idle passes
+          return null;
+        })
+        .finally(() => {
+          this.reclaiming = null;
+        });
     }, this.reclaimDelayMs);
     this.reclaimTimer.unref();
   }
@@ -178,17 +188,21 @@ export class KvmSandbox implements Sandbox {
    * Gives back now the private pages that hold the template's bytes again,
    * in slices (the event loop runs between them). A restored VM only.
    */
-  reclaim(): Promise<ReclaimFigures> {
-    this.reclaiming ??= this.reclaimSlices().finally(() => {
-      this.reclaiming = null;
-    });
-    return this.reclaiming;
+  async reclaim(): Promise<ReclaimFigures> {
+    while (this.reclaiming) await this.reclaiming.catch(() => {});
+    const pass = this.reclaimSlices();
+    this.reclaiming = pass
+      .catch(() => {}) // the caller gets the error
+      .finally(() => {
+        this.reclaiming = null;
+      });
+    return pass;
   }
 
-  private async reclaimSlices(): Promise<ReclaimFigures> {
+  private async reclaimSlices(stop?: () => boolean): Promise<ReclaimFigures> {
     if (!this.spec.restore) throw new UserError(`sandbox ${this.id} was booted, not forked: it has no template to give pages back to`);
     const f: ReclaimFigures = { privatePages: 0, droppedPages: 0, totalUs: 0, longestPauseUs: 0 };
-    for (let at: number | null = 0; at !== null && this.vm; ) {
+    for (let at: number | null = 0; at !== null && this.vm && !stop?.(); ) {
       const r = this.vm.reclaim({ fromPage: at, maxPages: RECLAIM_SLICE_PAGES });
       f.privatePages += r.privatePages;
       f.droppedPages += r.droppedPages;
