@@ -567,6 +567,19 @@ test('many concurrent connections', async () => {
   await until('connections closed', async () => (await c.info()).connections === 1);
 });
 
+test('onIdle: called each time the last request in flight settles', async () => {
+  const cl = await agent.connect();
+  let idle = 0;
+  cl.onIdle(() => idle++);
+  await Promise.all([cl.eval('1'), cl.eval('2'), cl.exec(['true'])]);
+  assert.is(idle, 1, 'once for the three together');
+  await cl.eval('3');
+  assert.is(idle, 2);
+  assert.instance(await cl.readFile(join(dir, 'no-such-file')).catch((e: unknown) => e), AgentError);
+  assert.is(idle, 3, 'a failed request settles too');
+  cl.close();
+});
+
 test('the stream closing rejects pending requests; shutdown ends the (non-PID-1) agent', async () => {
   const a = await startLocalAgent({ socketPath: join(dir, 'short.sock') });
   const cl = await a.connect();
