@@ -12,6 +12,16 @@
 // second one fails the test (a benchmark of 100 children may allow more
 // tries: one in 100 children is enough to fail a fork). Anywhere else there
 // is no retry.
+//
+// The lab's own kernel has its own trouble under load (test/lab/run.ts boots
+// it again, LAB CRASH): recursive page faults in exception entry in one of
+// our vCPU threads until a stack guard page ("corrupted stack end detected
+// inside scheduler"). A fork of 100 Linux children crashed it in 3 of 3
+// boots (2026-11-30); with single-threaded TCG (FORKLING_LAB_ACCEL=
+// tcg,thread=single) the same signature struck the nested guest instead,
+// during a cold boot; with fsgsbase off (FORKLING_LAB_CPU=EPYC,+svm,+npt,
+// -fsgsbase) a vCPU thread of ours spun in the lab's kernel (soft lockup,
+// 300+ s). So 100 children are not measured in the lab.
 import { appendFileSync } from 'node:fs';
 
 /**
