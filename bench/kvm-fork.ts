@@ -248,7 +248,7 @@ async function linux(): Promise<void> {
     const cold = await labRetry('cold boot', () => engine.boot({ image: values.image! }));
     await cold.agent.eval('1');
     const coldMs = performance.now() - t0;
-    rows.push({ what: 'cold boot', readyMs: coldMs, p50: coldMs, p99: coldMs, createMs: NaN, privKiB: (await cold.stats()).privateKiB, hostKiB: NaN, note: 'boot to first eval answer' });
+    rows.push({ what: 'cold boot', readyMs: coldMs, p50: coldMs, p99: coldMs, createMs: NaN, privKiB: (await cold.stats()).counters.guestPrivateKiB!, hostKiB: NaN, note: 'boot to first eval answer' });
     await cold.kill();
     await labRetry('template boot', () => engine.createTemplate({ name, image: values.image!, warmup: 'import json, random, uuid' }));
     for (const n of SIZES) {
@@ -260,13 +260,13 @@ async function linux(): Promise<void> {
       const all = performance.now() - t;
       const after = hostMemory();
       const ready = kids.map((k) => k.timings.readyAt - k.timings.startedAt);
-      const priv = await Promise.all(kids.map(async (k) => (await k.stats()).privateKiB));
+      const priv = await Promise.all(kids.map(async (k) => (await k.stats()).counters.guestPrivateKiB!));
       // The same children idle a while later (the guest kernel's timers, the
       // agent's threads), after the engine's own reclaim pass (at RECLAIM_IDLE_MS).
       const idleDeadline = performance.now() + 600_000;
       while (kids.some((k) => k.reclaimed.passes === 0) && performance.now() < idleDeadline) await new Promise((r) => setTimeout(r, 200));
       await new Promise((r) => setTimeout(r, 1000));
-      const idle = await Promise.all(kids.map(async (k) => (await k.stats()).privateKiB));
+      const idle = await Promise.all(kids.map(async (k) => (await k.stats()).counters.guestPrivateKiB!));
       rows.push({
         what: `fork N=${n}`,
         readyMs: all,

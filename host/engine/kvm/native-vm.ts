@@ -72,6 +72,12 @@ export interface NativeVmStats {
   memoryBytes: number;
   /** guest RAM pages backed by host memory now */
   residentBytes: number;
+  /**
+   * Host memory of the VM outside guest RAM: vCPU thread stacks and kvm_run
+   * pages (resident), and at least the table pages of KVM's nested page
+   * table for what it maps (from KVM's own statistics).
+   */
+  hostBytes: number;
   counters: Record<string, number>;
 }
 

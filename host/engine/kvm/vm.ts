@@ -375,18 +375,23 @@ export class KvmSandbox implements Sandbox {
     this.finish({ reason: 'killed' });
   }
 
-  /** Guest pages the VM holds now and the VMM's counters (exits by kind, vsock, interrupts). */
+  /**
+   * Memory the VM holds alone now (guest pages, plus its host-side structures:
+   * vCPU stacks, kvm_run pages, KVM's nested page table) and the VMM's
+   * counters (exits by kind, vsock, interrupts).
+   */
   async stats(): Promise<SandboxStats> {
     const vm = this.live();
     const s = vm.stats();
+    const host = { memoryBytes: s.memoryBytes, hostKiB: s.hostBytes / 1024 };
     if (this.spec.restore) {
-      // A restored VM maps its template: count only the pages it owns alone.
+      // A restored VM maps its template: count only the guest pages it owns alone.
       const m = vm.memoryUsage();
       return {
-        privateKiB: Math.round(m.guestPrivateBytes / 1024),
+        privateKiB: Math.round((m.guestPrivateBytes + s.hostBytes) / 1024),
         counters: {
           ...s.counters,
-          memoryBytes: s.memoryBytes,
+          ...host,
           guestPrivateKiB: m.guestPrivateBytes / 1024,
           guestSharedKiB: m.guestSharedBytes / 1024,
           reclaimPasses: this.reclaimed.passes,
@@ -394,7 +399,7 @@ export class KvmSandbox implements Sandbox {
         },
       };
     }
-    return { privateKiB: Math.round(s.residentBytes / 1024), counters: { ...s.counters, memoryBytes: s.memoryBytes } };
+    return { privateKiB: Math.round((s.residentBytes + s.hostBytes) / 1024), counters: { ...s.counters, ...host, guestPrivateKiB: s.residentBytes / 1024 } };
   }
 
   private live(): NativeVm {

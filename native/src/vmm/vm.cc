@@ -417,6 +417,16 @@ void Vm::VcpuLoop(uint32_t index) {
     sigemptyset(&set);
     sigaddset(&set, KickSignal());
     pthread_sigmask(SIG_UNBLOCK, &set, nullptr);
+    pthread_attr_t attr;
+    if (pthread_getattr_np(pthread_self(), &attr) == 0) {
+      void* lo = nullptr;
+      size_t size = 0;
+      if (pthread_attr_getstack(&attr, &lo, &size) == 0) {
+        v.stack_size = size;
+        v.stack_lo = reinterpret_cast<uintptr_t>(lo);
+      }
+      pthread_attr_destroy(&attr);
+    }
   }
   kvm_run* run = v.run;
   while (true) {
@@ -735,10 +745,39 @@ std::string Vm::DebugState() {
   return out;
 }
 
-Vm::Stats Vm::GetStats() const {
+namespace {
+// Resident bytes of [p, p+len) (page-aligned p), 0 if it is not mapped.
+uint64_t ResidentOf(uintptr_t p, size_t len) {
+  if (!p || !len) return 0;
+  const size_t pages = (len + 4095) / 4096;
+  std::vector<unsigned char> vec(pages);
+  if (mincore(reinterpret_cast<void*>(p), len, vec.data()) != 0) return 0;
+  uint64_t n = 0;
+  for (unsigned char c : vec) n += c & 1;
+  return n * 4096;
+}
+}  // namespace
+
+Vm::Stats Vm::GetStats() {
   Stats s;
   s.memory_bytes = cfg_.memory_bytes;
   s.resident_bytes = ram_.ResidentBytes();
+  uint64_t stacks = 0, runs = 0, npt = 0;
+  for (const auto& v : vcpus_) {
+    stacks += ResidentOf(v->stack_lo.load(), v->stack_size.load());
+    runs += ResidentOf(reinterpret_cast<uintptr_t>(v->run), v->run_size);
+  }
+  if (!kvm_stats_ && vm_fd_ >= 0) kvm_stats_ = std::make_unique<KvmStats>(ioctl(vm_fd_, KVM_GET_STATS_FD, 0));
+  if (kvm_stats_ && kvm_stats_->ok()) {
+    // Leaf entries per level, then the fewest table pages that hold them.
+    int64_t p4k = kvm_stats_->Read("pages_4k"), p2m = kvm_stats_->Read("pages_2m"), p1g = kvm_stats_->Read("pages_1g");
+    if (p4k >= 0 && p2m >= 0 && p1g >= 0) {
+      auto tables = [](uint64_t entries) { return (entries + 511) / 512; };
+      uint64_t l1 = tables(uint64_t(p4k)), l2 = tables(l1 + uint64_t(p2m)), l3 = tables(l2 + uint64_t(p1g));
+      npt = (l1 + l2 + l3 + (l3 ? 1 : 0)) * 4096;
+    }
+  }
+  s.host_bytes = stacks + runs + npt;
   static const char* kNames[kExitKinds] = {"exits_io", "exits_mmio", "exits_intr", "exits_hlt", "exits_shutdown",
                                            "exits_system_event", "exits_internal_error", "exits_fail_entry",
                                            "exits_other"};
@@ -754,6 +793,9 @@ Vm::Stats Vm::GetStats() const {
     s.counters.emplace_back("vsock_bad_packets", v.bad_packets);
     s.counters.emplace_back("vsock_connections", v.connections);
   }
+  s.counters.emplace_back("host_vcpu_stack_bytes", stacks);
+  s.counters.emplace_back("host_kvm_run_bytes", runs);
+  s.counters.emplace_back("host_npt_min_bytes", npt);
   return s;
 }
 

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "vmm/guest_ram.h"
+#include "vmm/kvm_stats.h"
 #include "vmm/legacy_devices.h"
 #include "vmm/pci.h"
 #include "vmm/snapshot/state_file.h"
@@ -116,9 +117,14 @@ class Vm {
   struct Stats {
     uint64_t memory_bytes;
     uint64_t resident_bytes;  // guest pages backed by host memory
+    // Host memory of this VM outside guest RAM: its vCPU threads' stacks and
+    // kvm_run pages (resident), and KVM's nested page table at least (from
+    // the pages KVM says it maps: one table page per 512 entries per level;
+    // 0 where the kernel has no binary stats). Counters host_*_bytes too.
+    uint64_t host_bytes;
     std::vector<std::pair<std::string, uint64_t>> counters;
   };
-  Stats GetStats() const;
+  Stats GetStats();
   // Registers of every vCPU, for diagnosing a guest that hangs (pauses the
   // vCPUs for the moment it takes).
   std::string DebugState();
@@ -149,6 +155,9 @@ class Vm {
     std::thread thread;
     pthread_t tid{};
     std::atomic<bool> in_thread{false};
+    // The thread's stack, set by the thread itself (for GetStats).
+    std::atomic<uintptr_t> stack_lo{0};
+    std::atomic<size_t> stack_size{0};
   };
   enum Exit { kExitIo, kExitMmio, kExitIntr, kExitHlt, kExitShutdown, kExitSystemEvent, kExitInternal,
               kExitFailEntry, kExitOther, kExitKinds };
@@ -215,6 +224,7 @@ class Vm {
 
   std::atomic<uint64_t> exits_[kExitKinds] = {};
   std::atomic<uint64_t> console_bytes_{0};
+  std::unique_ptr<KvmStats> kvm_stats_;  // opened at the first GetStats
 };
 
 }  // namespace forkling::vmm
