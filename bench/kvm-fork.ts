@@ -241,7 +241,9 @@ async function tiny(): Promise<void> {
 async function linux(): Promise<void> {
   const { KvmEngine } = await import('../host/engine/kvm/engine.ts');
   // In the emulated lab 100 children take minutes to answer, not milliseconds.
-  const engine = new KvmEngine(process.env.FORKLING_IN_LAB ? { childReadyTimeoutMs: 900_000 } : {});
+  // Idle reclaim passes as outside the lab (the lab's default is off).
+  const { RECLAIM_IDLE_MS } = await import('../host/engine/kvm/engine.ts');
+  const engine = new KvmEngine({ reclaimIdleMs: RECLAIM_IDLE_MS, ...(process.env.FORKLING_IN_LAB ? { childReadyTimeoutMs: 900_000 } : {}) });
   const name = `bench-${process.pid}`;
   try {
     const t0 = performance.now();

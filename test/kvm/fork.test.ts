@@ -8,7 +8,7 @@ import { join } from 'node:path';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import type { TemplateInfo } from '../../host/engine/engine.ts';
-import { KvmEngine } from '../../host/engine/kvm/engine.ts';
+import { KvmEngine, RECLAIM_IDLE_MS } from '../../host/engine/kvm/engine.ts';
 import { MEMORY_FILE, STATE_FILE, templateDir } from '../../host/engine/kvm/template.ts';
 import { labRetry } from './lab-flake.ts';
 
@@ -133,7 +133,9 @@ test('reclaim: a child gives back the pages it wrote back to the template; its d
     assert.is(new TextDecoder().decode(await a!.agent.readFile('/tmp/kept')), 'kept after reclaim');
     assert.is((await a!.agent.eval('WARM')).value, 'warm-42');
     assert.equal((await b!.agent.eval("('X' in globals(), WARM)")).value, [false, 'warm-42']);
-    // The engine reclaims by itself once the agent is idle (RECLAIM_IDLE_MS).
+    // The engine reclaims by itself once the agent is idle (asked for here:
+    // the lab's default is off, see defaultReclaimIdleMs).
+    a!.reclaimWhenIdle(RECLAIM_IDLE_MS);
     const passes = (await a!.stats()).counters.reclaimPasses!;
     const deadline = Date.now() + 60_000;
     while ((await a!.stats()).counters.reclaimPasses! <= passes) {
