@@ -7,11 +7,13 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
 #include <memory>
 #include <thread>
 #include <system_error>
 
 #include "errno_error.h"
+#include "js_uint.h"
 #include "mapping.h"
 #include "snapshot_js.h"
 #include "vmm/snapshot/checksum.h"
@@ -19,7 +21,6 @@
 #include "vmm/snapshot/memory_file.h"
 #include "vmm/snapshot/pagemap.h"
 #include "vmm/snapshot/reclaim.h"
-#include <cstring>
 #include "vmm/snapshot/state_file.h"
 #include "vmm/snapshot/vm_snapshot.h"
 
@@ -300,10 +301,8 @@ Napi::Value VmReclaim(const Napi::CallbackInfo& info, vmm::Vm& vm) {
       auto whole = [&](const char* key, uint64_t* out) {
         Napi::Value v = opts.Get(key);
         if (v.IsUndefined()) return;
-        double d = v.IsNumber() ? v.As<Napi::Number>().DoubleValue() : -1;
-        if (!(d >= 0) || d > 9007199254740991.0 || d != double(uint64_t(d)))
-          throw std::invalid_argument(std::string("reclaim: ") + key + " must be a whole number >= 0");
-        *out = uint64_t(d);
+        if (!v.IsNumber()) throw std::invalid_argument(std::string("reclaim: ") + key + " must be a number");
+        *out = ToU64(info.Env(), v, std::string("reclaim: ") + key);
       };
       whole("fromPage", &from);
       whole("maxPages", &max);
@@ -324,10 +323,7 @@ Napi::Value VmReclaim(const Napi::CallbackInfo& info, vmm::Vm& vm) {
 namespace {
 uint8_t* GuestSpan(const Napi::CallbackInfo& info, vmm::Vm& vm, uint64_t len) {
   if (!info[0].IsNumber()) throw std::invalid_argument("the guest physical address must be a number");
-  double gpa = info[0].As<Napi::Number>().DoubleValue();
-  if (!(gpa >= 0) || gpa > 9007199254740991.0 || gpa != double(uint64_t(gpa)))
-    throw std::invalid_argument("the guest physical address must be a whole number >= 0");
-  uint8_t* p = vm.ram().memory().Ptr(uint64_t(gpa), len);
+  uint8_t* p = vm.ram().memory().Ptr(ToU64(info.Env(), info[0], "the guest physical address"), len);
   if (!p || len == 0) throw std::range_error("the range is not inside guest RAM");
   return p;
 }
@@ -336,10 +332,9 @@ uint8_t* GuestSpan(const Napi::CallbackInfo& info, vmm::Vm& vm, uint64_t len) {
 Napi::Value VmGuestBytes(const Napi::CallbackInfo& info, vmm::Vm& vm) {
   return Guard(info.Env(), [&]() -> Napi::Value {
     if (!info[1].IsNumber()) throw std::invalid_argument("guestBytes(gpa, length)");
-    double n = info[1].As<Napi::Number>().DoubleValue();
-    if (!(n >= 1) || n > double(64u << 20) || n != double(uint64_t(n)))
-      throw std::invalid_argument("length must be 1..64 MiB");
-    uint8_t* p = GuestSpan(info, vm, uint64_t(n));
+    const uint64_t n = ToU64(info.Env(), info[1], "length");
+    if (n < 1 || n > (64u << 20)) throw std::invalid_argument("length must be 1..64 MiB");
+    uint8_t* p = GuestSpan(info, vm, n);
     return Napi::Buffer<uint8_t>::Copy(info.Env(), p, size_t(n));
   });
 }

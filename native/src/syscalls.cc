@@ -24,6 +24,7 @@
 #include <string>
 
 #include "errno_error.h"
+#include "js_uint.h"
 #include "mapping.h"
 
 namespace forkling {
@@ -44,24 +45,6 @@ int ArgInt(const Napi::CallbackInfo& info, size_t i, const char* name) {
 int ArgIntOr(const Napi::CallbackInfo& info, size_t i, const char* name, int def) {
   if (info.Length() <= i || info[i].IsUndefined()) return def;
   return ArgInt(info, i, name);
-}
-
-// A non-negative integer that fits a size_t, from a number (up to 2^53) or a bigint.
-uint64_t ToU64(Napi::Env env, Napi::Value v, const std::string& name) {
-  if (v.IsBigInt()) {
-    bool lossless = false;
-    uint64_t x = v.As<Napi::BigInt>().Uint64Value(&lossless);
-    if (!lossless) throw Napi::RangeError::New(env, name + " must fit in 64 unsigned bits");
-    return x;
-  }
-  if (v.IsNumber()) {
-    double d = v.As<Napi::Number>().DoubleValue();
-    if (!(d >= 0) || d > 9007199254740991.0 || d != static_cast<double>(static_cast<uint64_t>(d))) {
-      throw Napi::RangeError::New(env, name + " must be a non-negative safe integer");
-    }
-    return static_cast<uint64_t>(d);
-  }
-  throw Napi::TypeError::New(env, name + " must be a number or bigint");
 }
 
 Napi::Object ArgObject(const Napi::CallbackInfo& info, size_t i, const char* name) {

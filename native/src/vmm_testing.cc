@@ -16,6 +16,7 @@
 #include <system_error>
 
 #include "errno_error.h"
+#include "js_uint.h"
 #include "vmm/virtio_rng.h"
 #include "vmm/virtio_vsock.h"
 
@@ -44,22 +45,6 @@ struct DeviceEvent {
   uint16_t queue;
   std::string message;
 };
-
-uint64_t ToU64(Napi::Env env, const Napi::Value& v, const char* what) {
-  if (v.IsBigInt()) {
-    bool lossless = false;
-    uint64_t x = v.As<Napi::BigInt>().Uint64Value(&lossless);
-    if (!lossless) throw Napi::RangeError::New(env, std::string(what) + " does not fit in 64 bits");
-    return x;
-  }
-  if (v.IsNumber()) {
-    double d = v.As<Napi::Number>().DoubleValue();
-    if (!(d >= 0) || d > 9007199254740991.0 || d != static_cast<double>(static_cast<uint64_t>(d)))
-      throw Napi::RangeError::New(env, std::string(what) + " must be a non-negative integer");
-    return static_cast<uint64_t>(d);
-  }
-  throw Napi::TypeError::New(env, std::string(what) + " must be a number or a bigint");
-}
 
 uint64_t ToUint(Napi::Env env, const Napi::Value& v, const char* what, uint64_t max) {
   if (!v.IsNumber()) throw Napi::TypeError::New(env, std::string(what) + " must be a number");

@@ -614,11 +614,6 @@ void Vm::Pause() {
   WaitStopped();
 }
 
-bool Vm::PauseRequested() {
-  std::lock_guard<std::mutex> l(run_mu_);
-  return pause_requested_;
-}
-
 void Vm::Resume() {
   std::lock_guard<std::mutex> l(run_mu_);
   pause_requested_ = false;

@@ -31,9 +31,6 @@ namespace snapshot {
 class DiffLayer;
 }
 
-// Where a restored VM's RAM and state come from (vmm/snapshot/vm_snapshot.cc):
-// a template's memory file mapped MAP_PRIVATE, branch diff layers mapped over
-// it (oldest first), and the saved state sections.
 // An open file descriptor shared by the specs and VMs that use it; closed
 // with the last of them.
 class SharedFd {
@@ -48,6 +45,9 @@ class SharedFd {
   int fd_;
 };
 
+// Where a restored VM's RAM and state come from (vmm/snapshot/vm_snapshot.cc):
+// a template's memory file mapped MAP_PRIVATE, branch diff layers mapped over
+// it (oldest first), and the saved state sections.
 struct RestoreSpec {
   std::string what;  // for errors, e.g. "template py"
   std::string memory_path;
@@ -103,7 +103,6 @@ class Vm {
   // is out of KVM_RUN and waiting. Not counted: one Resume undoes any Pauses.
   void Pause();
   void Resume();
-  bool PauseRequested();
   // A hold of the VMM's own (branch, reclaim, debug dump, poweroff check),
   // counted and apart from the owner's pause, so that neither ends the
   // other: the vCPUs run only when no hold is left and the owner has not
