@@ -122,6 +122,12 @@ test('reclaim: a child gives back the pages it wrote back to the template; its d
     // a burst of Python work whose pages go back to what they were.
     await a!.agent.eval('import hashlib\nX = bytes(range(256)) * 4096\nsum(len(str(i)) for i in range(200000))');
     await a!.agent.writeFile('/tmp/kept', 'kept after reclaim');
+    // In the lab the sibling waits, paused, while a gives pages back: there
+    // the TLB-flush IPI of MADV_DONTNEED to the CPU running b's vCPU in
+    // (emulated) guest mode is now and then lost, and the lab's kernel spun
+    // in this process (two CI runs, soft lockup). Hardware delivers it.
+    const inLab = Boolean(process.env.FORKLING_IN_LAB);
+    if (inLab) await b!.pause();
     const before = (await a!.stats()).privateKiB;
     const r = await a!.reclaim();
     const after = (await a!.stats()).privateKiB;
@@ -132,7 +138,6 @@ test('reclaim: a child gives back the pages it wrote back to the template; its d
     assert.is((await a!.agent.eval('hashlib.sha256(X).hexdigest()')).value, want);
     assert.is(new TextDecoder().decode(await a!.agent.readFile('/tmp/kept')), 'kept after reclaim');
     assert.is((await a!.agent.eval('WARM')).value, 'warm-42');
-    assert.equal((await b!.agent.eval("('X' in globals(), WARM)")).value, [false, 'warm-42']);
     // The engine reclaims by itself once the agent is idle (asked for here:
     // the lab's default is off, see defaultReclaimIdleMs).
     a!.reclaimWhenIdle(RECLAIM_IDLE_MS);
@@ -143,6 +148,8 @@ test('reclaim: a child gives back the pages it wrote back to the template; its d
       await new Promise((res) => setTimeout(res, 200));
     }
     assert.is((await a!.agent.eval('hashlib.sha256(X).hexdigest()')).value, want);
+    if (inLab) await b!.resume();
+    assert.equal((await b!.agent.eval("('X' in globals(), WARM)")).value, [false, 'warm-42']);
     console.log(`    reclaim: private ${before} -> ${after} KiB (${r.droppedPages} of ${r.privatePages} pages given back)`);
   } finally {
     await Promise.all([a!.kill(), b!.kill()]);
