@@ -115,19 +115,20 @@ test('children own few pages while alive; killing them frees their memory', asyn
   assert.is(mappingsOf(mem), 0, 'no child maps the memory file any more');
 });
 
-test('reclaim: a child gives back the pages it wrote back to the template; its data, files and sibling are intact', async () => {
+// Not run in the lab: there it froze the lab's kernel in three of four CI
+// runs (a soft lockup of this process while pages were given back, with a
+// sibling VM running on the other CPU; most likely the TLB-flush IPI of
+// MADV_DONTNEED lost by QEMU's emulated nested SVM). Reclaim is tested in
+// the lab with the tiny guest (snapshot-vm.test.ts); this runs on hardware KVM.
+const notInLab = process.env.FORKLING_IN_LAB ? test.skip : test;
+
+notInLab('reclaim: a child gives back the pages it wrote back to the template; its data, files and sibling are intact', async () => {
   const [a, b] = await fork(2);
   try {
     // Data of its own (1 MiB that is not the template's), a file in RAM, and
     // a burst of Python work whose pages go back to what they were.
     await a!.agent.eval('import hashlib\nX = bytes(range(256)) * 4096\nsum(len(str(i)) for i in range(200000))');
     await a!.agent.writeFile('/tmp/kept', 'kept after reclaim');
-    // In the lab the sibling waits, paused, while a gives pages back: there
-    // the TLB-flush IPI of MADV_DONTNEED to the CPU running b's vCPU in
-    // (emulated) guest mode is now and then lost, and the lab's kernel spun
-    // in this process (two CI runs, soft lockup). Hardware delivers it.
-    const inLab = Boolean(process.env.FORKLING_IN_LAB);
-    if (inLab) await b!.pause();
     const before = (await a!.stats()).privateKiB;
     const r = await a!.reclaim();
     const after = (await a!.stats()).privateKiB;
@@ -139,7 +140,7 @@ test('reclaim: a child gives back the pages it wrote back to the template; its d
     assert.is(new TextDecoder().decode(await a!.agent.readFile('/tmp/kept')), 'kept after reclaim');
     assert.is((await a!.agent.eval('WARM')).value, 'warm-42');
     // The engine reclaims by itself once the agent is idle (asked for here:
-    // the lab's default is off, see defaultReclaimIdleMs).
+    // the lab's default is off, see defaultReclaimIdleMs, should this run there).
     a!.reclaimWhenIdle(RECLAIM_IDLE_MS);
     const passes = (await a!.stats()).counters.reclaimPasses!;
     const deadline = Date.now() + 60_000;
@@ -148,7 +149,6 @@ test('reclaim: a child gives back the pages it wrote back to the template; its d
       await new Promise((res) => setTimeout(res, 200));
     }
     assert.is((await a!.agent.eval('hashlib.sha256(X).hexdigest()')).value, want);
-    if (inLab) await b!.resume();
     assert.equal((await b!.agent.eval("('X' in globals(), WARM)")).value, [false, 'warm-42']);
     console.log(`    reclaim: private ${before} -> ${after} KiB (${r.droppedPages} of ${r.privatePages} pages given back)`);
   } finally {
