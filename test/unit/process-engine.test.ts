@@ -188,6 +188,63 @@ test('files written in one child are absent in its siblings', async () => {
   await Promise.all([a, b, c].map((k) => k!.kill()));
 });
 
+test("open files and shared memory are each child's own: those of the warm-up (fork) and of a live source (BRANCH)", async () => {
+  // A fork shares its parent's open file descriptions and MAP_SHARED pages: a child must get its
+  // own, or it writes the template's files (which every sibling reads) or its source's.
+  const name = `${TEMPLATE}-files`;
+  await engine.createTemplate({
+    name,
+    image: 'default',
+    warmup: [
+      'import os, mmap, tempfile',
+      'f = open("/tmp/log", "w+"); f.write("warm"); f.flush(); os.set_inheritable(f.fileno(), True)',
+      'open("/tmp/ro", "w").write("read-only"); r = open("/tmp/ro"); r.read(4)',
+      't = tempfile.TemporaryFile(); t.write(b"unnamed"); t.flush()',
+      'm = mmap.mmap(-1, 4096); m[:4] = b"anon"',
+      'fm = open("/tmp/mapped", "w+b"); fm.write(bytes(4096)); fm.flush(); mm = mmap.mmap(fm.fileno(), 4096); mm[:4] = b"file"',
+      's = open("/dev/shm/seg", "w+"); s.write("shm"); s.flush()',
+    ].join('\n'),
+  });
+  const see = '(f.tell(), (f.seek(0), f.read())[1], open("/tmp/log").read(), (t.seek(0), t.read())[1], bytes(m[:6]), bytes(mm[:6]), open("/tmp/mapped", "rb").read(6), (s.seek(0), s.read())[1], open("/dev/shm/seg").read())';
+  const warm = [4, 'warm', 'warm', 'unnamed', 'anon\0\0', 'file\0\0', 'file\0\0', 'shm', 'shm'];
+  const kids: Sandbox[] = [];
+  try {
+    const [a, b] = await engine.fork(name, 2);
+    kids.push(a!, b!);
+    const fresh = await val(b!.agent, '(f.tell(), r.tell(), r.readable(), r.writable(), os.get_inheritable(f.fileno()), os.get_inheritable(r.fileno()))');
+    assert.equal(fresh, [4, 4, true, false, true, false], 'offsets, access modes and close-on-exec as the warm-up left them');
+    await val(a!.agent, 'f.write("+a"); f.flush(); t.write(b"+a"); t.flush(); m[4:6] = b"+a"; mm[4:6] = b"+a"; s.write("+a"); s.flush(); 1');
+    const bytesOf = (v: unknown) => (v instanceof Uint8Array ? Buffer.from(v).toString('latin1') : v);
+    const seen = async (k: Sandbox) => ((await val(k.agent, see)) as unknown[]).map(bytesOf);
+    assert.equal(await seen(a!), [6, 'warm+a', 'warm+a', 'unnamed+a', 'anon+a', 'file+a', 'file+a', 'shm+a', 'shm+a']);
+    assert.equal(await seen(b!), warm, 'a sibling sees none of it');
+    const [c] = await engine.fork(name, 1);
+    kids.push(c!);
+    assert.equal(await seen(c!), warm, 'nor does the template');
+    // BRANCH: files the source opened after its fork, and those it inherited
+    await val(a!.agent, 'g = open("/tmp/src", "w+"); g.write("src"); g.flush(); 1');
+    const [br] = await engine.branch(a!, 1);
+    kids.push(br!);
+    await val(br!.agent, 'g.write("+br"); g.flush(); f.write("+br"); f.flush(); m[:2] = b"BR"; mm[:2] = b"BR"; 1');
+    assert.equal(await val(a!.agent, '(open("/tmp/src").read(), open("/tmp/log").read(), bytes(m[:6]), bytes(mm[:6]))').then((v) => (v as unknown[]).map(bytesOf)), [
+      'src',
+      'warm+a',
+      'anon+a',
+      'file+a',
+    ]);
+    assert.equal(await val(br!.agent, '(open("/tmp/src").read(), open("/tmp/log").read(), bytes(m[:6]), bytes(mm[:6]), open("/tmp/mapped", "rb").read(6))').then((v) => (v as unknown[]).map(bytesOf)), [
+      'src+br',
+      'warm+a+br',
+      'BRon+a',
+      'BRle+a',
+      'BRle+a',
+    ]);
+  } finally {
+    await Promise.all(kids.map((k) => k.kill()));
+    rmSync(storePath('process-templates', `${name}.json`), { force: true }); // (its zygote ends with the engine)
+  }
+});
+
 test('BRANCH to depth 3: each level sees every variable above it; sources keep running', async () => {
   const [root] = await engine.fork(TEMPLATE, 1);
   // a file of the image deleted in the source (an overlay whiteout) stays deleted in its branches
