@@ -44,6 +44,8 @@ import struct
 import threading
 import time
 
+import forkling_inherit
+
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
@@ -72,7 +74,7 @@ STATE = {
     'server': None,    # zygote: (pid, socket) of its fork server
     'in_server': None,  # in a fork server and its children: the server's end of its socket to the zygote
     'plan': None,      # the children's set-up steps (_setup_plan)
-    # 'inherited', in a fork server only: what its children copy (_inherited_files), taken once
+    # 'inherited', in a fork server only: what its children copy (forkling_inherit), taken once
 }
 # Fork handlers the warm-up registers with os.register_at_fork (see register()).
 AT_FORK = {'before': [], 'after_in_parent': [], 'after_in_child': []}
@@ -373,7 +375,7 @@ def _server_main(agent, sock):
         _reset_agent(agent)
     os.environ['FORKLING_PROCESS_ROLE'] = 'sandbox'  # what every child is
     ROLE = 'sandbox'
-    STATE['inherited'] = _inherited_files()  # once: one thread, no user code, nothing changes it
+    STATE['inherited'] = forkling_inherit.inherited(_own_fds())  # once: one thread, no user code, nothing changes it
     gc.collect()  # (a full collection also empties the free lists of tuples, floats, ...)
     _fill_pools()
     _setup_plan()  # in the fresh pools, made once for every child
@@ -474,7 +476,7 @@ def _reap_children():
 
 def _spawn(agent, children, branch, fork):
     _setup_plan()  # here, once: every child inherits it
-    inherited = _inherited_files() if branch or 'inherited' not in STATE else STATE['inherited']
+    inherited = forkling_inherit.inherited(_own_fds()) if branch or 'inherited' not in STATE else STATE['inherited']
     if STATE['pidns_fd'] is None:
         STATE['pidns_fd'] = os.open('/proc/self/ns/pid', os.O_RDONLY | os.O_CLOEXEC)
     # What this process runs between two forks, and after the last, makes
@@ -589,6 +591,14 @@ def _child_main(agent, ch, sockdir, r, w, branch, inherited):
         agent.eval_loop()
     finally:
         os._exit(0)
+
+
+def _own_fds():
+    """The agent's fds that a child must not copy (forkling_inherit): STATE's, and the fork server's socket."""
+    own = {v for k, v in STATE.items() if k.endswith('_fd') and isinstance(v, int)}
+    if STATE['in_server'] is not None:
+        own.add(STATE['in_server'].fileno())
+    return own
 
 
 def _close_lifeline():
@@ -721,7 +731,7 @@ def _setup_child(ch, sockdir, branch, inherited):
     new_upper = os.open(plan['upper'], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     _run_steps(plan['pivot'])
     if inherited is not None:
-        _rehome(inherited)
+        forkling_inherit.rehome(inherited)
     if STATE['upper_fd'] is not None:
         os.close(STATE['upper_fd'])
     STATE['upper_fd'] = new_upper
@@ -843,184 +853,6 @@ def _service(agent, lsock):
             seen = _agent_mod.reap_tick(seen)
 
 
-# ------------------------------------------------------------------ a child's own copy of its parent's open files
-
-# A fork shares its parent's open file descriptions and MAP_SHARED mappings:
-# without this, a child writing through a file the warm-up left open would
-# write the template's copy (which every sibling reads through its base
-# layer), and a branch child would write its source's. The parent lists them
-# (_inherited_files: in a fork server once, in a source at each branch); each
-# child, once in its own root, opens its own copy in their place.
-
-_MAP_SHARED, _MAP_FIXED, _MAP_ANONYMOUS = 0x01, 0x10, 0x20
-_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
-_PROT = {'r': 1, 'w': 2, 'x': 4}
-_REOPEN_FLAGS = (os.O_ACCMODE | os.O_APPEND | os.O_NONBLOCK | os.O_DSYNC | os.O_SYNC | os.O_DIRECT
-                 | os.O_NOATIME | os.O_PATH)  # (O_TMPFILE's files show O_DIRECTORY: added for directories only)
-
-
-def _inherited_files():
-    """In the parent: its open files (regular, directories) on its root layer
-    or /dev/shm, its open files with no name left (unlinked, memfd), its
-    shared mappings of those and its shared anonymous memory, and whether its
-    /dev/shm holds anything; None if none of these. The agent's own fds (sockets, pipes, devices,
-    its O_PATH fds) are none of these. File systems are told apart by the
-    device of their mount (fdinfo's mount id, in mountinfo): overlayfs's
-    stat() reports the device of the layer a file lives on, and the root's
-    file system can be mounted more than once (a zygote's /tmp)."""
-    own = {v for k, v in STATE.items() if k.endswith('_fd') and isinstance(v, int)}
-    sb = {}  # mount id -> device of its file system
-    with open('/proc/self/mountinfo') as f:
-        for line in f:
-            parts = line.split(None, 3)
-            if len(parts) >= 3 and parts[0].isdigit():
-                sb[int(parts[0])] = parts[2]
-    ours = {sb.get(_mount_of(path)) for path in ('/', '/dev/shm')} - {None}
-    fds, unnamed, named = [], {}, set()
-    for name in os.listdir('/proc/self/fd'):
-        fd = int(name)
-        try:
-            st = os.fstat(fd)
-            path = os.readlink('/proc/self/fd/%d' % fd)
-        except OSError:
-            continue  # the listing's own fd
-        if fd in own or not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
-            continue
-        if stat.S_ISREG(st.st_mode) and st.st_nlink == 0:
-            fds.append((fd, None))  # unlinked or memfd: copied
-            unnamed.setdefault((st.st_dev, st.st_ino), fd)
-        elif path.startswith('/') and sb.get(_mount_id(fd)) in ours:
-            fds.append((fd, path))  # opened again by name in the child's root
-            named.add(path)
-    maps = []
-    with open('/proc/self/maps') as f:
-        for line in f:
-            parts = line.split(None, 5)
-            if len(parts) < 5 or len(parts[1]) < 4 or parts[1][3] != 's':
-                continue
-            lo, hi = (int(x, 16) for x in parts[0].split('-'))
-            major, minor = (int(x, 16) for x in parts[3].split(':'))
-            key = (os.makedev(major, minor), int(parts[4]))
-            path = parts[5].rstrip('\n') if len(parts) > 5 else ''
-            prot = sum(_PROT[c] for c in parts[1][:3] if c in _PROT)
-            if key in unnamed:
-                how = ('fd', unnamed[key])
-            elif path.startswith('/') and not path.endswith(' (deleted)'):
-                if not (prot & 2 or path in named) or sb.get(_mount_of(path)) not in ours:
-                    continue  # read-only, of a file nobody here writes (gconv's cache); or not ours to copy
-                how = ('path', path)
-            else:
-                how = ('copy', None)  # shared anonymous, System V, a removed file no fd holds
-            maps.append((lo, hi - lo, prot, int(parts[2], 16), how))
-    try:
-        shm = bool(os.listdir('/dev/shm'))
-    except OSError:
-        shm = False
-    if not (fds or maps or shm):
-        return None  # the usual case: a child has nothing to do
-    return {'fds': fds, 'maps': maps, 'shm': shm}
-
-
-def _mount_id(fd):
-    try:
-        with open('/proc/self/fdinfo/%d' % fd, 'rb') as f:
-            for line in f:
-                if line.startswith(b'mnt_id:'):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return None
-
-
-def _mount_of(path):
-    try:
-        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        return _mount_id(fd)
-    finally:
-        os.close(fd)
-
-
-def _copy_bytes(src, dst):
-    """All of src's bytes to dst (positional: src's offset stays)."""
-    size = os.fstat(src).st_size
-    off = 0
-    while off < size:
-        n = os.sendfile(dst, src, off, min(size - off, 1 << 30))
-        if n == 0:
-            break
-        off += n
-
-
-def _rehome(inherited):
-    """In the child, in its own root (single-threaded): the same fd numbers,
-    flags, offsets and close-on-exec, and the same mapping addresses, now on
-    the child's own files (its layer's copy, a copy of /dev/shm, a memfd with
-    the bytes of an unnamed file) and its own shared memory."""
-    for fd, path in inherited['fds']:
-        flags = fcntl.fcntl(fd, fcntl.F_GETFL) & _REOPEN_FLAGS
-        if stat.S_ISDIR(os.fstat(fd).st_mode):
-            flags |= os.O_DIRECTORY
-        cloexec = fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
-        copy = None
-        if path is None:
-            copy = os.memfd_create('forkling-copy', os.MFD_CLOEXEC)
-            _copy_bytes(fd, copy)
-            path = '/proc/self/fd/%d' % copy  # opened again with the original's access mode
-        try:
-            new = os.open(path, flags | os.O_CLOEXEC)
-        except PermissionError:
-            new = os.open(path, (flags & ~os.O_NOATIME) | os.O_CLOEXEC)
-        finally:
-            if copy is not None:
-                os.close(copy)
-        if not flags & os.O_PATH:
-            try:
-                os.lseek(new, os.lseek(fd, 0, os.SEEK_CUR), os.SEEK_SET)
-            except OSError:
-                pass  # not seekable
-        os.dup2(new, fd, inheritable=not cloexec)
-        os.close(new)
-    if inherited['maps']:
-        _rehome_maps(inherited['maps'])
-
-
-def _rehome_maps(maps):
-    C = ctypes
-    mmap = _libc.mmap
-    mmap.restype, mmap.argtypes = C.c_void_p, (C.c_void_p, C.c_size_t, C.c_int, C.c_int, C.c_int, C.c_long)
-    mremap = _libc.mremap
-    mremap.restype, mremap.argtypes = C.c_void_p, (C.c_void_p, C.c_size_t, C.c_size_t, C.c_int, C.c_void_p)
-    mprotect = _libc.mprotect
-    mprotect.argtypes = (C.c_void_p, C.c_size_t, C.c_int)
-    failed = C.c_void_p(-1).value
-
-    def check(addr, what):
-        if addr is None or addr == failed:
-            e = C.get_errno()
-            raise OSError(e, 'shared mapping %s: %s' % (what, os.strerror(e)))
-        return addr
-
-    for lo, size, prot, offset, (how, arg) in maps:
-        if how == 'copy':
-            tmp = check(mmap(None, size, 3, _MAP_SHARED | _MAP_ANONYMOUS, -1, 0), 'copy')
-            if not prot & 1 and mprotect(lo, size, prot | 1):
-                check(None, 'read')
-            C.memmove(tmp, lo, size)
-            if mprotect(tmp, size, prot):
-                check(None, 'protect')
-            check(mremap(tmp, size, size, _MREMAP_MAYMOVE | _MREMAP_FIXED, lo), 'move')
-            continue
-        path = arg if how == 'path' else '/proc/self/fd/%d' % arg  # that fd is the child's copy by now
-        fd = os.open(path, (os.O_RDWR if prot & 2 else os.O_RDONLY) | os.O_CLOEXEC)
-        try:
-            check(mmap(lo, size, prot, _MAP_SHARED | _MAP_FIXED, fd, offset), path)
-        finally:
-            os.close(fd)
-
-
 # ------------------------------------------------------------------ branch: copy a layer
 
 
@@ -1063,7 +895,7 @@ def copy_tree(src, dst):
                 os.link(links[(st.st_dev, st.st_ino)], d)
             elif stat.S_ISREG(mode):
                 with open(s, 'rb') as fs, open(d, 'wb') as fd:
-                    _copy_bytes(fs.fileno(), fd.fileno())
+                    forkling_inherit.copy_bytes(fs.fileno(), fd.fileno())
                 attrs(s, d, st, False)
                 if st.st_nlink > 1:
                     links[(st.st_dev, st.st_ino)] = d

@@ -245,6 +245,62 @@ test("open files and shared memory are each child's own: those of the warm-up (f
   }
 });
 
+test("pipes, socket pairs, eventfds, asyncio's epoll and a template's subprocess are each child's own", async () => {
+  const name = `${TEMPLATE}-fds`;
+  await engine.createTemplate({
+    name,
+    image: 'default',
+    warmup: [
+      'import asyncio, os, socket, subprocess',
+      'loop = asyncio.new_event_loop()',
+      'pr, pw = os.pipe(); os.write(pw, b"queued")',
+      'ev = os.eventfd(3)',
+      'sa, sb = socket.socketpair(); sa.sendall(b"pair")',
+      'cat = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)',
+      'def registered(): return open("/proc/self/fdinfo/%d" % loop._selector.fileno()).read().count("tfd:")',
+    ].join('\n'),
+  });
+  const kids: Sandbox[] = [];
+  try {
+    const [a, b] = await engine.fork(name, 2);
+    kids.push(a!, b!);
+    const before = await val(b!.agent, 'registered()');
+    // A: writes into every one of them, and registers one more fd with its loop
+    const wrote = await val(
+      a!.agent,
+      [
+        'os.write(pw, b"+a"); os.eventfd_write(ev, 10); sb.sendall(b"+a")',
+        'x, y = socket.socketpair(); loop.add_reader(x.fileno(), lambda: None)',
+        'try:\n    cat.stdin.write(b"from a\\n"); cat.stdin.flush(); piped = "written"\nexcept BrokenPipeError:\n    piped = "EPIPE"',
+        '(registered(), piped)',
+      ].join('\n'),
+    );
+    assert.equal(wrote, [Number(before) + 1, 'EPIPE'], "the template's cat is not in the child: its stdin refuses writes");
+    // B sees what the warm-up left, none of A's
+    const seen = await val(
+      b!.agent,
+      [
+        'os.set_blocking(pr, False); os.set_blocking(ev, False); sa.setblocking(False)',
+        'def take(f):\n    try:\n        return f()\n    except BlockingIOError:\n        return None',
+        '(take(lambda: os.read(pr, 100)), take(lambda: os.eventfd_read(ev)), sb.recv(100), take(lambda: sa.recv(100)), registered(), cat.stdout.read())',
+      ].join('\n'),
+    );
+    assert.equal(seen, [Buffer.from('queued'), 3, Buffer.from('pair'), null, before, Buffer.alloc(0)]);
+    // and the loop still runs in a child
+    assert.is(await val(b!.agent, 'loop.run_until_complete(asyncio.sleep(0.01, result=7))'), 7);
+    // BRANCH: the source's pipe and its queued bytes, copied; the branch's writes stay its own
+    await val(a!.agent, 'qr, qw = os.pipe(); os.write(qw, b"src"); 1');
+    const [br] = await engine.branch(a!, 1);
+    kids.push(br!);
+    await val(br!.agent, 'os.write(qw, b"+br"); 1');
+    assert.equal(await val(br!.agent, 'os.read(qr, 100)'), Buffer.from('src+br'));
+    assert.equal(await val(a!.agent, 'os.read(qr, 100)'), Buffer.from('src'));
+  } finally {
+    await Promise.all(kids.map((k) => k.kill()));
+    rmSync(storePath('process-templates', `${name}.json`), { force: true }); // (its zygote ends with the engine)
+  }
+});
+
 test('BRANCH to depth 3: each level sees every variable above it; sources keep running', async () => {
   const [root] = await engine.fork(TEMPLATE, 1);
   // a file of the image deleted in the source (an overlay whiteout) stays deleted in its branches

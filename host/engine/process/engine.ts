@@ -328,11 +328,20 @@ class ProcessSandbox implements Sandbox {
       try {
         process.kill(this.hostPid, 'SIGKILL');
       } catch {}
-      void this.cleanup().then((errors) => {
-        for (const e of errors) this.owner.warnLine(`forkling: ${e}`);
-        this.owner.holding.delete(this);
-        this.finish();
-      });
+      void this.cleanup()
+        .then(async (errors) => {
+          // A task leaves its cgroup before it is done exiting: wait until it is (a zombie, or reaped).
+          for (let wait = 1, deadline = Date.now() + 5000; alivePid(this.hostPid) && Date.now() < deadline; wait = Math.min(wait * 2, 50)) {
+            await new Promise((r) => setTimeout(r, wait));
+          }
+          if (alivePid(this.hostPid)) errors.push(`sandbox ${this.id}: its PID 1 (host pid ${this.hostPid}) did not exit within 5 s of SIGKILL`);
+          return errors;
+        })
+        .then((errors) => {
+          for (const e of errors) this.owner.warnLine(`forkling: ${e}`);
+          this.owner.holding.delete(this);
+          this.finish();
+        });
     }
   }
 

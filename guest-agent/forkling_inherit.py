@@ -1,0 +1,410 @@
+"""forkling_inherit: a forked child's own copy of what its parent has open.
+
+fork() shares the parent's open file descriptions, pipes, sockets, epoll
+instances and MAP_SHARED pages with the child. In the process engine the
+parent is a template's zygote (every fork of the template shares them) or a
+running sandbox (a BRANCH shares them with its source): a child writing
+through a file the warm-up left open would write the template's copy, which
+every sibling reads through its base layer; an asyncio loop made in the
+warm-up would register one child's sockets in its siblings' epoll and steal
+their wake-ups; a subprocess of the template would carry bytes from one
+sandbox to another. A VM copies all of it with its RAM; here:
+
+  inherited(own)  in the parent: what its children must copy, or None;
+  rehome(plan)    in a child, single-threaded, in its own root and network
+                  namespace: its own copies in their place, at the same fd
+                  numbers (status flags, offsets, close-on-exec kept) and the
+                  same mapping addresses.
+
+What becomes what:
+  a file or directory on the root layer or /dev/shm   opened again by name
+                                                      (the child's layer has
+                                                      its own copy; /dev/shm
+                                                      is copied by the caller)
+  a file with no name (unlinked, O_TMPFILE, memfd)    a memfd with its bytes
+  a shared mapping of those                           mapped from the copy
+  shared anonymous memory (mmap(-1), System V)        copied to new shared memory
+  a pipe                                              a new pipe with the bytes
+                                                      queued in it (tee); an end
+                                                      whose other end is not the
+                                                      parent's reads EOF or
+                                                      refuses writes: the
+                                                      process behind it is not
+                                                      in the child
+  a Unix stream socket pair (both ends the parent's)  a new pair, queued bytes
+                                                      copied
+  an eventfd                                          a new one, same count
+  an epoll instance                                   a new one with the same
+                                                      registrations (on the
+                                                      child's fds)
+
+Left shared (see host/engine/process/README.md): fds 0-2 (the host's), other
+sockets (a connection or a listener has no copy to make), datagram socket
+pairs, timerfd, signalfd, inotify, files on other mounts (/run, /proc).
+"""
+
+import ctypes
+import fcntl
+import os
+import socket
+import stat
+import struct
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+_MAP_SHARED, _MAP_FIXED, _MAP_ANONYMOUS = 0x01, 0x10, 0x20
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
+_PROT = {'r': 1, 'w': 2, 'x': 4}
+# (O_TMPFILE's files show O_DIRECTORY: added for directories only)
+_REOPEN_FLAGS = (os.O_ACCMODE | os.O_APPEND | os.O_NONBLOCK | os.O_DSYNC | os.O_SYNC | os.O_DIRECT
+                 | os.O_NOATIME | os.O_PATH)
+_SPLICE_F_NONBLOCK = 2
+_FIONREAD = 0x541B
+_EPOLL_CTL_ADD = 1
+
+
+def inherited(own):
+    """In the parent: what a child must copy, or None when nothing (the usual
+    case: a child then does nothing). `own`: the agent's fds, left alone.
+    File systems are told apart by the device of their mount (fdinfo's mount
+    id, in mountinfo): overlayfs's stat() reports the device of the layer a
+    file lives on, and one file system can be mounted twice (a zygote's /tmp)."""
+    sb = {}  # mount id -> device of its file system
+    with open('/proc/self/mountinfo') as f:
+        for line in f:
+            parts = line.split(None, 3)
+            if len(parts) >= 3 and parts[0].isdigit():
+                sb[int(parts[0])] = parts[2]
+    ours = {sb.get(_mount_of(path)) for path in ('/', '/dev/shm')} - {None}
+    files, unnamed, named = [], {}, set()
+    pipes, socks, eventfds, epolls = {}, {}, [], []
+    for name in os.listdir('/proc/self/fd'):
+        fd = int(name)
+        if fd in own or fd <= 2:
+            continue
+        try:
+            st = os.fstat(fd)
+            path = os.readlink('/proc/self/fd/%d' % fd)
+        except OSError:
+            continue  # the listing's own fd
+        mode = st.st_mode
+        if stat.S_ISFIFO(mode):
+            pipes.setdefault(st.st_ino, []).append(fd)
+        elif stat.S_ISSOCK(mode):
+            socks.setdefault(st.st_ino, []).append(fd)
+        elif path == 'anon_inode:[eventfd]':
+            eventfds.append(fd)
+        elif path == 'anon_inode:[eventpoll]':
+            epolls.append(fd)
+        elif stat.S_ISREG(mode) and st.st_nlink == 0:
+            files.append((fd, None))  # unlinked or memfd: copied
+            unnamed.setdefault((st.st_dev, st.st_ino), fd)
+        elif (stat.S_ISREG(mode) or stat.S_ISDIR(mode)) and path.startswith('/') and sb.get(_mount_id(fd)) in ours:
+            files.append((fd, path))  # opened again by name in the child's root
+            named.add(path)
+    pairs = []
+    if socks:
+        try:
+            peers = _unix_peers()
+        except OSError:
+            peers = {}  # no sock_diag here: pairs stay shared
+        for ino, fds in socks.items():
+            peer = peers.get(ino)
+            if peer in socks and ino < peer:
+                pairs.append((fds, socks[peer]))
+    maps = _shared_maps(unnamed, named, ours, sb)
+    try:
+        shm = bool(os.listdir('/dev/shm'))
+    except OSError:
+        shm = False
+    if not (files or maps or shm or pipes or pairs or eventfds or epolls):
+        return None
+    return {'files': files, 'maps': maps, 'shm': shm, 'pipes': list(pipes.values()), 'pairs': pairs,
+            'eventfds': eventfds, 'epolls': epolls}
+
+
+def _shared_maps(unnamed, named, ours, sb):
+    maps = []
+    with open('/proc/self/maps') as f:
+        for line in f:
+            parts = line.split(None, 5)
+            if len(parts) < 5 or len(parts[1]) < 4 or parts[1][3] != 's':
+                continue
+            lo, hi = (int(x, 16) for x in parts[0].split('-'))
+            major, minor = (int(x, 16) for x in parts[3].split(':'))
+            key = (os.makedev(major, minor), int(parts[4]))
+            path = parts[5].rstrip('\n') if len(parts) > 5 else ''
+            prot = sum(_PROT[c] for c in parts[1][:3] if c in _PROT)
+            if key in unnamed:
+                how = ('fd', unnamed[key])
+            elif path.startswith('/') and not path.endswith(' (deleted)'):
+                if not (prot & 2 or path in named) or sb.get(_mount_of(path)) not in ours:
+                    continue  # read-only, of a file nobody here writes (gconv's cache); or not ours to copy
+                how = ('path', path)
+            else:
+                how = ('copy', None)  # shared anonymous, System V, a removed file no fd holds
+            maps.append((lo, hi - lo, prot, int(parts[2], 16), how))
+    return maps
+
+
+def _mount_id(fd):
+    try:
+        with open('/proc/self/fdinfo/%d' % fd, 'rb') as f:
+            for line in f:
+                if line.startswith(b'mnt_id:'):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _mount_of(path):
+    try:
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return _mount_id(fd)
+    finally:
+        os.close(fd)
+
+
+def _unix_peers():
+    """{inode: peer's inode} of the Unix sockets of this network namespace
+    (NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY dump with UDIAG_SHOW_PEER)."""
+    s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 4)
+    try:
+        # unix_diag_req: family AF_UNIX, protocol, pad, all states, any inode, UDIAG_SHOW_PEER, no cookie
+        req = struct.pack('=BBHIIIII', socket.AF_UNIX, 0, 0, 0xffffffff, 0, 4, 0xffffffff, 0xffffffff)
+        s.sendto(struct.pack('=IHHII', 16 + len(req), 20, 0x301, 1, 0) + req, (0, 0))
+        peers = {}
+        while True:
+            data = s.recv(1 << 16)
+            if not data:
+                return peers
+            off = 0
+            while off + 16 <= len(data):
+                size, kind = struct.unpack_from('=IH', data, off)
+                if size < 16:
+                    return peers
+                if kind == 3:  # NLMSG_DONE
+                    return peers
+                if kind == 2:  # NLMSG_ERROR
+                    raise OSError(-struct.unpack_from('=i', data, off + 16)[0], 'sock_diag')
+                if size >= 32:  # nlmsghdr + unix_diag_msg (family, type, state, pad, inode, cookie)
+                    ino = struct.unpack_from('=I', data, off + 20)[0]
+                    a = off + 32
+                    while a + 4 <= off + size:
+                        alen, atype = struct.unpack_from('=HH', data, a)
+                        if alen < 4:
+                            break
+                        if atype == 2 and alen >= 8:  # UNIX_DIAG_PEER
+                            peers[ino] = struct.unpack_from('=I', data, a + 4)[0]
+                        a += (alen + 3) & ~3
+                off += (size + 3) & ~3
+    finally:
+        s.close()
+
+
+def copy_bytes(src, dst):
+    """All of src's bytes to dst (positional: src's offset stays)."""
+    size = os.fstat(src).st_size
+    off = 0
+    while off < size:
+        n = os.sendfile(dst, src, off, min(size - off, 1 << 30))
+        if n == 0:
+            break
+        off += n
+
+
+def rehome(plan):
+    """In the child: see the module's docstring. Epoll instances last: their
+    registrations name the other fds by number."""
+    for fd, path in plan['files']:
+        _rehome_file(fd, path)
+    if plan['maps']:
+        _rehome_maps(plan['maps'])
+    for fds in plan['pipes']:
+        _rehome_pipe(fds)
+    for a, b in plan['pairs']:
+        _rehome_pair(a, b)
+    for fd in plan['eventfds']:
+        _rehome_eventfd(fd)
+    for fd in plan['epolls']:
+        _rehome_epoll(fd)
+
+
+def _put(new, fd):
+    """`new` at fd's number, with fd's close-on-exec and status flags (O_NONBLOCK, O_APPEND, ...)."""
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    cloexec = fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+    os.dup2(new, fd, inheritable=not cloexec)
+    fcntl.fcntl(fd, fcntl.F_SETFL, flags)
+
+
+def _rehome_file(fd, path):
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL) & _REOPEN_FLAGS
+    if stat.S_ISDIR(os.fstat(fd).st_mode):
+        flags |= os.O_DIRECTORY
+    cloexec = fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+    copy = None
+    if path is None:
+        copy = os.memfd_create('forkling-copy', os.MFD_CLOEXEC)
+        copy_bytes(fd, copy)
+        path = '/proc/self/fd/%d' % copy  # opened again with the original's access mode
+    try:
+        try:
+            new = os.open(path, flags | os.O_CLOEXEC)
+        except PermissionError:
+            new = os.open(path, (flags & ~os.O_NOATIME) | os.O_CLOEXEC)
+    finally:
+        if copy is not None:
+            os.close(copy)
+    if not flags & os.O_PATH:
+        try:
+            os.lseek(new, os.lseek(fd, 0, os.SEEK_CUR), os.SEEK_SET)
+        except OSError:
+            pass  # not seekable
+    os.dup2(new, fd, inheritable=not cloexec)
+    os.close(new)
+
+
+def _rehome_maps(maps):
+    C = ctypes
+    mmap = _libc.mmap
+    mmap.restype, mmap.argtypes = C.c_void_p, (C.c_void_p, C.c_size_t, C.c_int, C.c_int, C.c_int, C.c_long)
+    mremap = _libc.mremap
+    mremap.restype, mremap.argtypes = C.c_void_p, (C.c_void_p, C.c_size_t, C.c_size_t, C.c_int, C.c_void_p)
+    mprotect = _libc.mprotect
+    mprotect.argtypes = (C.c_void_p, C.c_size_t, C.c_int)
+    failed = C.c_void_p(-1).value
+
+    def check(addr, what):
+        if addr is None or addr == failed:
+            e = C.get_errno()
+            raise OSError(e, 'shared mapping %s: %s' % (what, os.strerror(e)))
+        return addr
+
+    for lo, size, prot, offset, (how, arg) in maps:
+        if how == 'copy':
+            tmp = check(mmap(None, size, 3, _MAP_SHARED | _MAP_ANONYMOUS, -1, 0), 'copy')
+            if not prot & 1 and mprotect(lo, size, prot | 1):
+                check(None, 'read')
+            C.memmove(tmp, lo, size)
+            if mprotect(tmp, size, prot):
+                check(None, 'protect')
+            check(mremap(tmp, size, size, _MREMAP_MAYMOVE | _MREMAP_FIXED, lo), 'move')
+            continue
+        path = arg if how == 'path' else '/proc/self/fd/%d' % arg  # that fd is the child's copy by now
+        fd = os.open(path, (os.O_RDWR if prot & 2 else os.O_RDONLY) | os.O_CLOEXEC)
+        try:
+            check(mmap(lo, size, prot, _MAP_SHARED | _MAP_FIXED, fd, offset), path)
+        finally:
+            os.close(fd)
+
+
+def _rehome_pipe(fds):
+    """A new pipe in place of every end the parent held, with the bytes queued in it."""
+    reads = [fd for fd in fds if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_WRONLY]
+    writes = [fd for fd in fds if fd not in reads]
+    r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        try:
+            fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, fcntl.fcntl(fds[0], fcntl.F_GETPIPE_SZ))  # room for what is queued
+        except OSError:
+            pass
+        if reads:
+            tee = _libc.tee
+            tee.restype, tee.argtypes = ctypes.c_ssize_t, (ctypes.c_int, ctypes.c_int, ctypes.c_size_t, ctypes.c_uint)
+            queued = fcntl.ioctl(reads[0], _FIONREAD, struct.pack('i', 0))
+            left = struct.unpack('i', queued)[0]
+            while left > 0:  # tee copies without taking: the parent keeps its bytes
+                n = tee(reads[0], w, left, _SPLICE_F_NONBLOCK)
+                if n <= 0:
+                    break
+                left -= n
+        for fd in reads:
+            _put(r, fd)
+        for fd in writes:
+            _put(w, fd)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def _rehome_pair(a_fds, b_fds):
+    """A new Unix stream socket pair in place of one whose ends the parent both held, with the bytes queued at each end."""
+    probe = socket.socket(fileno=a_fds[0])
+    family, kind = probe.family, probe.type
+    probe.detach()
+    if kind != socket.SOCK_STREAM:
+        return  # queued datagrams cannot be read without taking them: left shared
+    x, y = socket.socketpair(family, kind)
+    try:
+        for src, peer in ((a_fds[0], y), (b_fds[0], x)):  # what waits at src was sent by its peer
+            s = socket.socket(fileno=src)
+            try:
+                n = struct.unpack('i', fcntl.ioctl(src, _FIONREAD, struct.pack('i', 0)))[0]
+                data = s.recv(n, socket.MSG_PEEK | socket.MSG_DONTWAIT) if n > 0 else b''
+            except BlockingIOError:
+                data = b''
+            finally:
+                s.detach()
+            if data:
+                peer.settimeout(1.0)
+                peer.sendall(data)
+        for fd in a_fds:
+            _put(x.fileno(), fd)
+        for fd in b_fds:
+            _put(y.fileno(), fd)
+    finally:
+        x.close()
+        y.close()
+
+
+def _fdinfo(fd):
+    with open('/proc/self/fdinfo/%d' % fd) as f:
+        return f.read()
+
+
+def _rehome_eventfd(fd):
+    count, semaphore = 0, False
+    for line in _fdinfo(fd).splitlines():
+        key, _, value = line.partition(':')
+        if key == 'eventfd-count':
+            count = int(value.strip(), 16)
+        elif key == 'eventfd-semaphore':
+            semaphore = value.strip() == '1'
+    new = os.eventfd(count, os.EFD_CLOEXEC | (os.EFD_SEMAPHORE if semaphore else 0))
+    try:
+        _put(new, fd)
+    finally:
+        os.close(new)
+
+
+class _EpollEvent(ctypes.Structure):
+    _pack_ = 1  # packed on x86-64
+    _fields_ = (('events', ctypes.c_uint32), ('data', ctypes.c_uint64))
+
+
+def _rehome_epoll(fd):
+    """A new epoll instance with the same registrations, now on the child's own fds."""
+    entries = []
+    for line in _fdinfo(fd).splitlines():
+        f = line.split()
+        if len(f) >= 6 and f[0] == 'tfd:' and f[2] == 'events:' and f[4] == 'data:':
+            entries.append((int(f[1]), int(f[3], 16), int(f[5], 16)))
+    create, ctl = _libc.epoll_create1, _libc.epoll_ctl
+    ctl.argtypes = (ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(_EpollEvent))
+    new = create(os.O_CLOEXEC)
+    if new < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, 'epoll_create1: %s' % os.strerror(e))
+    try:
+        for tfd, events, data in entries:
+            ev = _EpollEvent(events, data)
+            if ctl(new, _EPOLL_CTL_ADD, tfd, ctypes.byref(ev)) != 0:
+                pass  # that fd is gone (closed since it was registered): nothing to watch
+        _put(new, fd)
+    finally:
+        os.close(new)
