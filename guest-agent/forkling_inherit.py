@@ -10,7 +10,11 @@ warm-up would register one child's sockets in its siblings' epoll and steal
 their wake-ups; a subprocess of the template would carry bytes from one
 sandbox to another. A VM copies all of it with its RAM; here:
 
-  inherited(own)  in the parent: what its children must copy, or None;
+  inherited(own)  what a child must copy, or None: taken in the fork server
+                  once for all its children (one thread, nothing changes its
+                  fds), and by a branch child itself right after the fork,
+                  before it leaves its source's namespaces (the source's
+                  other threads may have changed its fds since the request);
   rehome(plan)    in a child, single-threaded, in its own root and network
                   namespace: its own copies in their place, at the same fd
                   numbers (status flags, offsets, close-on-exec kept) and the
@@ -64,8 +68,8 @@ _EPOLL_CTL_ADD = 1
 
 
 def inherited(own):
-    """In the parent: what a child must copy, or None when nothing (the usual
-    case: a child then does nothing). `own`: the agent's fds, left alone.
+    """What a child must copy, or None when nothing (the usual case: a child
+    then does nothing). `own`: the agent's fds, left alone.
     File systems are told apart by the device of their mount (fdinfo's mount
     id, in mountinfo): overlayfs's stat() reports the device of the layer a
     file lives on, and one file system can be mounted twice (a zygote's /tmp)."""

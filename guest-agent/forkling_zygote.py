@@ -476,7 +476,7 @@ def _reap_children():
 
 def _spawn(agent, children, branch, fork):
     _setup_plan()  # here, once: every child inherits it
-    inherited = forkling_inherit.inherited(_own_fds()) if branch or 'inherited' not in STATE else STATE['inherited']
+    inherited = None if branch else STATE.get('inherited')  # (a branch child takes its own: _child_main)
     if STATE['pidns_fd'] is None:
         STATE['pidns_fd'] = os.open('/proc/self/ns/pid', os.O_RDONLY | os.O_CLOEXEC)
     # What this process runs between two forks, and after the last, makes
@@ -577,6 +577,8 @@ def _child_main(agent, ch, sockdir, r, w, branch, inherited):
         _close_lifeline()
     try:
         os.close(r)
+        if branch:  # here, in the copy, before its own namespaces: exactly what it has, whatever the source's threads did since
+            inherited = forkling_inherit.inherited(_own_fds() | {w})
         _setup_child(ch, sockdir, branch, inherited)
         _rebuild_agent(agent, ch, reset=server_sock is None)
         _listen(agent, RUN + '/agent.sock')
