@@ -70,6 +70,8 @@ function listTests(dir) {
  * mid-trace). A second overrun counts.
  */
 function runFile(file, timeoutMs, attempt = 1) {
+  // In the lab, which file is running: the outer runner names it if the lab freezes (test/lab/run.ts).
+  if (process.env.FORKLING_IN_LAB) console.log(`LAB-FILE ${file}`);
   return new Promise((resolve) => {
     const started = Date.now();
     const p = spawn(tsx, [file], {

@@ -18,6 +18,9 @@ const SUMMARY_RE = /^(\d+) passed, (\d+) failed$/;
 export class LabConsole {
   readonly stages = new Map<LabStage, number>();
   readonly outcome: LabOutcome = { summary: null, exitCode: null, setupFailure: null, innerTimeout: false };
+  /** The test file the inner suite started last (its LAB-FILE line), and when the last line came. */
+  runningFile: string | null = null;
+  lastLineAt: number;
   private readonly tail: string[] = [];
   private pendingFailures: string[] = [];
   private partial = '';
@@ -26,7 +29,9 @@ export class LabConsole {
     private readonly onLine: (line: string) => void = () => {},
     private readonly now: () => number = Date.now,
     private readonly keep = 60,
-  ) {}
+  ) {
+    this.lastLineAt = now();
+  }
 
   /** Feeds raw console bytes; complete lines are handled, the rest waits. */
   feed(chunk: string): void {
@@ -54,6 +59,7 @@ export class LabConsole {
   line(raw: string): void {
     // Serial output carries CRs and, at boot, escape sequences from the firmware.
     const line = raw.replace(/\r/g, '').replace(/\x1b\[[0-9;?]*[A-Za-z]/g, '');
+    this.lastLineAt = this.now();
     this.tail.push(line);
     if (this.tail.length > this.keep) this.tail.shift();
     this.onLine(line);
@@ -67,6 +73,7 @@ export class LabConsole {
     const summary = inSuite ? SUMMARY_RE.exec(line) : null;
     if (stage) this.mark(stage[1] as LabStage);
     else if (line.startsWith('LAB-NODE-START')) this.mark('node-start');
+    else if (line.startsWith('LAB-FILE ')) this.runningFile = line.slice('LAB-FILE '.length).trim();
     else if (exit) {
       this.outcome.exitCode = Number(exit[1]);
       this.mark('exit');

@@ -5,7 +5,10 @@
 //   npx tsx test/lab/run.ts            (npm run test:kvm calls it via test/run.mjs)
 //
 // Settings (environment):
-//   FORKLING_LAB_TIMEOUT_S  overall limit for one lab run, seconds (default 1200)
+//   FORKLING_LAB_TIMEOUT_S  overall limit for one boot of the lab, seconds (default 1800)
+//   FORKLING_LAB_SILENCE_S  no console output for this long means the lab froze: it is booted again
+//                           for the unfinished files (default 690: the inner limit per file + 90)
+//   FORKLING_LAB_CRASH_REBOOTS  boots again after a crash or freeze of the lab itself (default 2)
 //   FORKLING_LAB_MEM_MB     the lab machine's RAM (default 6144: nested guests take 1-2 GiB, the
 //                           store overlay and /tmp live in RAM; QEMU only backs what is touched)
 //   FORKLING_LAB_CPUS       its vCPUs (default 2)
@@ -61,6 +64,9 @@ function writeSummary(s: Summary): void {
   writeFileAtomic(SUMMARY, `${JSON.stringify(s, null, 2)}\n`);
 }
 
+/** The inner suite's limit per test file in the lab (test/run.mjs, kvm-direct), in seconds. */
+const FILE_LIMIT_S = 600;
+
 let qemu: ChildProcess | undefined;
 function killQemu(): void {
   if (qemu && qemu.exitCode === null && qemu.signalCode === null) {
@@ -78,7 +84,7 @@ for (const sig of ['SIGINT', 'SIGTERM', 'SIGHUP'] as const) {
 }
 
 async function main(startedAt: number): Promise<Summary> {
-  const timeoutS = envInt('FORKLING_LAB_TIMEOUT_S', 1200, 30);
+  const timeoutS = envInt('FORKLING_LAB_TIMEOUT_S', 1800, 30);
   const memMb = envInt('FORKLING_LAB_MEM_MB', 6144, 1024);
   const cpus = envInt('FORKLING_LAB_CPUS', 2, 1);
   const cpu = process.env.FORKLING_LAB_CPU || 'EPYC,+svm,+npt';
@@ -158,11 +164,22 @@ async function main(startedAt: number): Promise<Summary> {
     say(`TIMEOUT: the lab ran past ${timeoutS}s (FORKLING_LAB_TIMEOUT_S); killing qemu`);
     killQemu();
   }, timeoutS * 1000);
+  // Silence longer than the inner suite's own limit per test file (it prints when it kills one)
+  // means the lab machine itself froze: nothing in it runs any more, not even that timer.
+  let frozen = false;
+  const silenceS = envInt('FORKLING_LAB_SILENCE_S', FILE_LIMIT_S + 90, 30);
+  const watch = setInterval(() => {
+    if (frozen || timedOut || Date.now() - con.lastLineAt < silenceS * 1000) return;
+    frozen = true;
+    say(`LAB FROZEN: no console output for ${silenceS}s (FORKLING_LAB_SILENCE_S) while ${con.runningFile ?? 'the suite'} ran; killing qemu`);
+    killQemu();
+  }, 5000);
   const exit = await new Promise<{ code: number | null; error?: NodeJS.ErrnoException }>((res) => {
     child.on('error', (error: NodeJS.ErrnoException) => res({ code: null, error }));
     child.on('close', (code) => res({ code }));
   });
   clearTimeout(timer);
+  clearInterval(watch);
   con.flush();
   errLine(errPartial);
   reportMissing();
@@ -186,6 +203,10 @@ async function main(startedAt: number): Promise<Summary> {
   if (timedOut) {
     showTail();
     return fail(`timed out after ${timeoutS}s`);
+  }
+  if (frozen) {
+    showTail();
+    return fail(`the lab machine froze while ${con.runningFile ?? 'the suite'} ran (no console output for ${silenceS}s)`);
   }
   if (o.setupFailure) return fail(`set-up inside the lab failed: ${o.setupFailure}`);
   if (o.exitCode === null) {
@@ -235,11 +256,14 @@ function finishedFiles(lines: string[]): Map<string, { total: number; passed: nu
 }
 
 /**
- * When the lab machine itself crashed, boot it again for the test files that
- * had not finished (or the whole FORKLING_LAB_COMMAND), and count the finished
- * ones as they ended. Said loudly each time; after FORKLING_LAB_CRASH_REBOOTS
- * reboots (default 2) another crash fails the run. The crash is the lab's own
- * kernel under QEMU's nested SVM, several times a day on a loaded machine.
+ * When the lab machine itself crashed or froze, boot it again for the test
+ * files that had not finished (or the whole FORKLING_LAB_COMMAND), and count
+ * the finished ones as they ended. Said loudly each time; after
+ * FORKLING_LAB_CRASH_REBOOTS reboots (default 2) another one fails the run.
+ * Both are the lab's own kernel under QEMU's nested SVM, several times a day on
+ * a loaded machine: a panic in one of our vCPU threads, or no output at all
+ * while both of the lab's CPUs spin (a file that froze it is run again, so one
+ * that does it every time still fails).
  */
 async function rerunAfterLabCrash(first: Summary, startedAt: number): Promise<Summary> {
   const reboots = envInt('FORKLING_LAB_CRASH_REBOOTS', 2, 0);
@@ -251,17 +275,20 @@ async function rerunAfterLabCrash(first: Summary, startedAt: number): Promise<Su
   const done = new Map<string, { total: number; passed: number }>();
   let last = first;
   for (let crash = 1; ; crash++) {
-    const crashed = last.failures.length === 1 && /^the lab machine stopped/.test(last.failures[0] ?? '') && labKernelPanicked(consoleLog);
-    if (!crashed || crash > reboots) break;
+    const why = last.failures.length === 1 ? (last.failures[0] ?? '') : '';
+    const panicked = /^the lab machine stopped/.test(why) && labKernelPanicked(consoleLog);
+    const froze = /^the lab machine froze/.test(why);
+    if (!(panicked || froze) || crash > reboots) break;
+    const what = panicked ? "the lab's own kernel panicked" : why;
     if (process.env.FORKLING_LAB_COMMAND) {
-      say(`LAB CRASH ${crash}/${reboots}: the lab's own kernel panicked; booting the lab again for the command`);
+      say(`LAB CRASH ${crash}/${reboots}: ${what}; booting the lab again for the command`);
       last = await main(startedAt);
       continue;
     }
     for (const [f, r] of finishedFiles(consoleLog)) done.set(f, r);
     const left = all.filter((f) => !done.has(f));
     if (left.length === 0) break;
-    say(`LAB CRASH ${crash}/${reboots}: the lab's own kernel panicked; ${done.size} test files had finished; booting the lab again for: ${left.join(' ')}`);
+    say(`LAB CRASH ${crash}/${reboots}: ${what}; ${done.size} test files had finished; booting the lab again for: ${left.join(' ')}`);
     const escaped = left.map((f) => f.replace(/[.*+?^${}()|[\]\\/]/g, '\\$&'));
     process.env.FORKLING_TEST_FILTER = `^(${escaped.join('|')})$`;
     last = await main(startedAt);

@@ -49,4 +49,23 @@ test('console: set-up failures and a missing summary', () => {
   assert.is(t.outcome.exitCode, 137);
 });
 
+test('console: the file the inner suite runs, and when the last line came (to tell a frozen lab)', () => {
+  let t = 100;
+  const con = new LabConsole(undefined, () => t);
+  assert.is(con.lastLineAt, 100);
+  assert.is(con.runningFile, null);
+  t = 250;
+  con.feed('LAB-NODE-START 3.0\nLAB-FILE test/kvm/boot.test.ts\n');
+  assert.is(con.runningFile, 'test/kvm/boot.test.ts');
+  assert.is(con.lastLineAt, 250);
+  t = 900;
+  con.feed('--- test/kvm/boot.test.ts (9.0s)\nLAB-FILE test/kvm/fork.test.ts\n');
+  assert.is(con.runningFile, 'test/kvm/fork.test.ts');
+  assert.is(con.lastLineAt, 900);
+  t = 2000;
+  con.feed('partial line without its end');
+  assert.is(con.lastLineAt, 900, 'only complete lines count');
+  assert.ok(!con.stages.has('first-output') || con.stages.get('first-output') === 900, 'LAB-FILE lines are not output of the suite');
+});
+
 test.run();
