@@ -29,6 +29,17 @@ const mergeable = () =>
     })
     .map(Number);
 
+/** A process and all its descendants. */
+const family = (pid: number): number[] => {
+  let kids: number[] = [];
+  try {
+    kids = readdirSync(`/proc/${pid}/task`).flatMap((t) =>
+      readFileSync(`/proc/${pid}/task/${t}/children`, 'utf8').split(' ').filter(Boolean).map(Number),
+    );
+  } catch {}
+  return [pid, ...kids.flatMap(family)];
+};
+
 const rootfs = loadImage('numpy').rootfs;
 const engine = new ProcessEngine({ rootfsOf: async () => rootfs, ksm: true, warn: () => {} });
 const T = `bench-ksm-${process.pid}`;
@@ -40,7 +51,7 @@ try {
   const kids = await engine.fork(T, N);
   const pids = kids.map((k) => (k as unknown as { hostPid: number }).hostPid);
   await Promise.all(kids.map((k) => k.agent.eval('1+1')));
-  const ours = new Set([...pids, engine.zygotePid(T)!]);
+  const ours = new Set([...pids, ...family(engine.zygotePid(T)!)]); // the zygote, its fork server, the forks
   const others = mergeable().filter((p) => !ours.has(p));
   if (others.length) throw new Error(`processes ${others.join(' ')} have mergeable memory: not turning the host's KSM on`);
   console.log(`N=${N}, after the first eval: private median ${median(pids.map(privateKiB))} KiB (KSM run=${saved.run})`);
