@@ -71,6 +71,7 @@ STATE = {
     'upper_fd': None,  # O_PATH fd of this sandbox's upper dir (copied by branch)
     'pidns_fd': None,  # this process's own pid namespace (to undo unshare(CLONE_NEWPID))
     'lifeline_fd': None,  # read end of the host's lifeline pipe (zygote, cold-booted sandbox)
+    'server_pid_fd': None,  # in a fork server and its new children: a pidfd of the server (see _service)
     'server': None,    # zygote: (pid, socket) of its fork server
     'in_server': None,  # in a fork server and its children: the server's end of its socket to the zygote
     'plan': None,      # the children's set-up steps (_setup_plan)
@@ -375,6 +376,7 @@ def _server_main(agent, sock):
         _reset_agent(agent)
     os.environ['FORKLING_PROCESS_ROLE'] = 'sandbox'  # what every child is
     ROLE = 'sandbox'
+    STATE['server_pid_fd'] = os.pidfd_open(os.getpid())
     STATE['inherited'] = forkling_inherit.inherited(_own_fds())  # once: one thread, no user code, nothing changes it
     gc.collect()  # (a full collection also empties the free lists of tuples, floats, ...)
     _fill_pools()
@@ -575,6 +577,9 @@ def _child_main(agent, ch, sockdir, r, w, branch, inherited):
     else:  # a branch: os.fork() of a sandbox
         _lock = threading.Lock()  # the parent held it across the fork
         _close_lifeline()
+        fd, STATE['server_pid_fd'] = STATE['server_pid_fd'], None  # (its source's, until its service thread closed it)
+        if fd is not None:
+            os.close(fd)
     try:
         os.close(r)
         if branch:  # here, in the copy, before its own namespaces: exactly what it has, whatever the source's threads did since
@@ -838,9 +843,24 @@ def _service(agent, lsock):
     and only looks through /proc when a child of ours has exited."""
     poller = select.poll()
     poller.register(lsock.fileno(), select.POLLIN)
+    # A new fork dies with its fork server until the host connects (it does once
+    # the server has answered for it): a server that dies in the middle of a
+    # request (killed for memory in the zygote's cgroup, say) leaves no child
+    # behind that the host never heard of. A pidfd, not PR_SET_PDEATHSIG: that
+    # one is per thread, and a server gone before it was set would be missed.
+    server = STATE['server_pid_fd']
+    if server is not None:
+        poller.register(server, select.POLLIN)
     seen = set()
     while not agent.stopping:
-        if poller.poll(REAP_INTERVAL_MS):
+        events = poller.poll(REAP_INTERVAL_MS)
+        if server is not None and events and events[0][0] == server and len(events) == 1:
+            os._exit(1)  # the server is gone and the host never came
+        if events:
+            if server is not None:  # the host's first connection: ours for good
+                poller.unregister(server)
+                os.close(server)
+                server = STATE['server_pid_fd'] = None
             try:
                 fd, _ = lsock._accept()
             except OSError as e:

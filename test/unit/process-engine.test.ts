@@ -301,6 +301,73 @@ test("pipes, socket pairs, eventfds, asyncio's epoll and a template's subprocess
   }
 });
 
+test('a fork server that dies in the middle of a request leaves no child behind; children already handed out live on', async () => {
+  const name = `${TEMPLATE}-dies`;
+  // The warm-up's at-fork handler stops the fork server after its fifth fork, in the middle of
+  // the second request (forks 3-5), while the host still waits for its answer.
+  await engine.createTemplate({
+    name,
+    image: 'default',
+    warmup: [
+      'import os, time',
+      'forks = [0]',
+      'def after():',
+      '    if os.environ.get("FORKLING_PROCESS_ROLE") == "sandbox" and "FORKLING_SANDBOX_ID" not in os.environ:  # the fork server',
+      '        forks[0] += 1',
+      '        if forks[0] == 5:',
+      '            time.sleep(120)',
+      'os.register_at_fork(after_in_parent=after)',
+    ].join('\n'),
+  });
+  const zygote = engine.zygotePid(name)!;
+  const runDir = (engine as unknown as { zygotes: Map<string, { runDir: string }> }).zygotes.get(name)!.runDir;
+  const childrenOf = (pid: number): number[] => {
+    try {
+      return readdirSync(`/proc/${pid}/task`).flatMap((t) => readFileSync(`/proc/${pid}/task/${t}/children`, 'utf8').split(' ').filter(Boolean).map(Number));
+    } catch {
+      return [];
+    }
+  };
+  const family = (pid: number): number[] => childrenOf(pid).flatMap((k) => (alive(k) ? [k, ...family(k)] : []));
+  const kids: Sandbox[] = [];
+  try {
+    kids.push(...(await engine.fork(name, 2))); // the server's first two forks
+    const sockets = () => readdirSync(join(runDir, 's')).filter((d) => existsSync(join(runDir, 's', d, 'agent.sock'))).length;
+    const pending = engine.fork(name, 3).then(
+      () => null,
+      (e: Error) => e.message,
+    );
+    // all three forked and listening, their server stuck: it dies now
+    for (let wait = 1, deadline = Date.now() + 20000; sockets() < 5 && Date.now() < deadline; wait = Math.min(wait * 2, 50)) {
+      await new Promise((r) => setTimeout(r, wait));
+    }
+    assert.is(sockets(), 5, 'the request\'s three children listen');
+    const server = childrenOf(zygote).find((p) => {
+      const ns = /^NSpid:\s+(.*)$/m.exec(readFileSync(`/proc/${p}/status`, 'utf8'))?.[1]?.trim().split(/\s+/);
+      return ns !== undefined && ns[ns.length - 1] !== '1';
+    });
+    assert.ok(server, 'the fork server');
+    process.kill(server!, 'SIGKILL');
+    assert.match((await pending) ?? '', /fork server/, 'the request fails, saying why');
+    // its children die with the server; the two handed out (now the zygote's: it is init of the
+    // server's pid namespace) live on
+    const handedOut = new Set(kids.flatMap((k) => [hostPid(k), ...family(hostPid(k))]));
+    const left = () => family(zygote).filter((p) => !handedOut.has(p));
+    for (let wait = 1, deadline = Date.now() + 5000; left().length > 0 && Date.now() < deadline; wait = Math.min(wait * 2, 50)) {
+      await new Promise((r) => setTimeout(r, wait));
+    }
+    assert.equal(left(), [], 'no other process is left under the zygote');
+    for (const k of kids) assert.is(await val(k.agent, '6 * 7'), 42, 'children the host had taken live on');
+    // the next request gets a new server
+    const [c] = await engine.fork(name, 1);
+    kids.push(c!);
+    assert.is(await val(c!.agent, '1 + 1'), 2);
+  } finally {
+    await Promise.all(kids.map((k) => k.kill()));
+    rmSync(storePath('process-templates', `${name}.json`), { force: true });
+  }
+});
+
 test('BRANCH to depth 3: each level sees every variable above it; sources keep running', async () => {
   const [root] = await engine.fork(TEMPLATE, 1);
   // a file of the image deleted in the source (an overlay whiteout) stays deleted in its branches
