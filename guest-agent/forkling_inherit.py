@@ -15,17 +15,22 @@ sandbox to another. A VM copies all of it with its RAM; here:
                   fds), and by a branch child itself right after the fork,
                   before it leaves its source's namespaces (the source's
                   other threads may have changed its fds since the request);
-  rehome(plan)    in a child, single-threaded, in its own root and network
-                  namespace: its own copies in their place, at the same fd
-                  numbers (status flags, offsets, close-on-exec kept) and the
-                  same mapping addresses.
+  rehome(plan, log)  in a child, single-threaded, in its own root and
+                  network namespace: its own copies in their place, at the
+                  same fd numbers (status flags, offsets, close-on-exec kept)
+                  and the same mapping addresses. An fd that is no longer
+                  what the list says is left alone; one that cannot be
+                  copied is closed in the child (said in the log), never
+                  left shared.
 
 What becomes what:
   a file or directory on the root layer or /dev/shm   opened again by name
                                                       (the child's layer has
                                                       its own copy; /dev/shm
                                                       is copied by the caller)
-  a file with no name (unlinked, O_TMPFILE, memfd)    a memfd with its bytes
+  a file with no name (unlinked, O_TMPFILE, memfd)    a memfd with its bytes,
+                                                      one per file for all the
+                                                      fds that share it
   a shared mapping of those                           mapped from the copy
   shared anonymous memory (mmap(-1), System V)        copied to new shared memory
   a pipe                                              a new pipe with the bytes
@@ -42,9 +47,11 @@ What becomes what:
                                                       registrations (on the
                                                       child's fds)
 
-Left shared (see host/engine/process/README.md): fds 0-2 (the host's), other
-sockets (a connection or a listener has no copy to make), datagram socket
-pairs, timerfd, signalfd, inotify, files on other mounts (/run, /proc).
+Left shared (see host/engine/process/README.md): fds 0-2 and other fds of
+the same pipes (the host's console), other sockets (a connection or a
+listener has no copy to make), datagram and seqpacket pairs (their queued
+messages cannot be read without taking them), timerfd, signalfd, inotify,
+named files on other mounts (/run, /proc).
 """
 
 import ctypes
@@ -65,11 +72,16 @@ _REOPEN_FLAGS = (os.O_ACCMODE | os.O_APPEND | os.O_NONBLOCK | os.O_DSYNC | os.O_
 _SPLICE_F_NONBLOCK = 2
 _FIONREAD = 0x541B
 _EPOLL_CTL_ADD = 1
+_SO_TYPE, _SO_DOMAIN = 3, 39
+_MSG_PEEK, _MSG_DONTWAIT = 2, 0x40
+_DELETED = ' (deleted)'
+_EVENTFD, _EPOLL = 'anon_inode:[eventfd]', 'anon_inode:[eventpoll]'
 
 
 def inherited(own):
     """What a child must copy, or None when nothing (the usual case: a child
-    then does nothing). `own`: the agent's fds, left alone.
+    then does nothing). `own`: the agent's fds, left alone. Each entry keeps
+    the (device, inode) it was taken for: the child checks it still is.
     File systems are told apart by the device of their mount (fdinfo's mount
     id, in mountinfo): overlayfs's stat() reports the device of the layer a
     file lives on, and one file system can be mounted twice (a zygote's /tmp)."""
@@ -80,8 +92,17 @@ def inherited(own):
             if len(parts) >= 3 and parts[0].isdigit():
                 sb[int(parts[0])] = parts[2]
     ours = {sb.get(_mount_of(path)) for path in ('/', '/dev/shm')} - {None}
-    files, unnamed, named = [], {}, set()
-    pipes, socks, eventfds, epolls = {}, {}, [], []
+    console = set()  # the host's pipes (fds 0-2), whatever other fds of them the warm-up made
+    for fd in (0, 1, 2):
+        try:
+            st = os.fstat(fd)
+            console.add((st.st_dev, st.st_ino))
+        except OSError:
+            pass
+    named, unnamed = [], {}  # unnamed: (dev, ino) -> [fds], one copy each
+    unnamed_paths = {}  # what /proc/self/maps calls an unnamed file -> its key
+    named_paths = set()
+    pipes, socks, eventfds, epolls = {}, {}, {}, []
     for name in os.listdir('/proc/self/fd'):
         fd = int(name)
         if fd in own or fd <= 2:
@@ -91,43 +112,48 @@ def inherited(own):
             path = os.readlink('/proc/self/fd/%d' % fd)
         except OSError:
             continue  # the listing's own fd
+        key = (st.st_dev, st.st_ino)
         mode = st.st_mode
+        if key in console:
+            continue
         if stat.S_ISFIFO(mode):
-            pipes.setdefault(st.st_ino, []).append(fd)
+            pipes.setdefault(key, []).append(fd)
         elif stat.S_ISSOCK(mode):
             socks.setdefault(st.st_ino, []).append(fd)
-        elif path == 'anon_inode:[eventfd]':
-            eventfds.append(fd)
-        elif path == 'anon_inode:[eventpoll]':
+        elif path == _EVENTFD:
+            eventfds.setdefault(_fdinfo_field(fd, 'eventfd-id') or ('fd', fd), []).append(fd)
+        elif path == _EPOLL:
             epolls.append(fd)
-        elif stat.S_ISREG(mode) and st.st_nlink == 0:
-            files.append((fd, None))  # unlinked or memfd: copied
-            unnamed.setdefault((st.st_dev, st.st_ino), fd)
+        elif stat.S_ISREG(mode) and (st.st_nlink == 0 or path.endswith(_DELETED)):
+            unnamed.setdefault(key, []).append(fd)  # unlinked, O_TMPFILE, memfd: copied
+            unnamed_paths[path] = key
+        elif stat.S_ISDIR(mode) and path.endswith(_DELETED):
+            continue  # a removed directory: nothing in it to copy, nothing to reach through it
         elif (stat.S_ISREG(mode) or stat.S_ISDIR(mode)) and path.startswith('/') and sb.get(_mount_id(fd)) in ours:
-            files.append((fd, path))  # opened again by name in the child's root
-            named.add(path)
+            named.append((fd, key, path))  # opened again by name in the child's root
+            named_paths.add(path)
     pairs = []
     if socks:
         try:
             peers = _unix_peers()
-        except OSError:
+        except (OSError, struct.error, ValueError):
             peers = {}  # no sock_diag here: pairs stay shared
         for ino, fds in socks.items():
             peer = peers.get(ino)
             if peer in socks and ino < peer:
-                pairs.append((fds, socks[peer]))
-    maps = _shared_maps(unnamed, named, ours, sb)
+                pairs.append((fds, socks[peer], ino, peer))
+    maps = _shared_maps(unnamed, unnamed_paths, named_paths, ours, sb)
     try:
         shm = bool(os.listdir('/dev/shm'))
     except OSError:
         shm = False
-    if not (files or maps or shm or pipes or pairs or eventfds or epolls):
+    if not (named or unnamed or maps or shm or pipes or pairs or eventfds or epolls):
         return None
-    return {'files': files, 'maps': maps, 'shm': shm, 'pipes': list(pipes.values()), 'pairs': pairs,
-            'eventfds': eventfds, 'epolls': epolls}
+    return {'named': named, 'unnamed': list(unnamed.items()), 'maps': maps, 'shm': shm,
+            'pipes': list(pipes.items()), 'pairs': pairs, 'eventfds': list(eventfds.values()), 'epolls': epolls}
 
 
-def _shared_maps(unnamed, named, ours, sb):
+def _shared_maps(unnamed, unnamed_paths, named_paths, ours, sb):
     maps = []
     with open('/proc/self/maps') as f:
         for line in f:
@@ -139,27 +165,39 @@ def _shared_maps(unnamed, named, ours, sb):
             key = (os.makedev(major, minor), int(parts[4]))
             path = parts[5].rstrip('\n') if len(parts) > 5 else ''
             prot = sum(_PROT[c] for c in parts[1][:3] if c in _PROT)
+            if key not in unnamed and path in unnamed_paths:
+                key = unnamed_paths[path]  # overlayfs: maps shows the layer's inode, fstat the overlay's
             if key in unnamed:
-                how = ('fd', unnamed[key])
-            elif path.startswith('/') and not path.endswith(' (deleted)'):
-                if not (prot & 2 or path in named) or sb.get(_mount_of(path)) not in ours:
+                how = ('copy of', key)
+            elif path.startswith('/') and not path.endswith(_DELETED):
+                if not (prot & 2 or path in named_paths) or sb.get(_mount_of(path)) not in ours:
                     continue  # read-only, of a file nobody here writes (gconv's cache); or not ours to copy
                 how = ('path', path)
             else:
-                how = ('copy', None)  # shared anonymous, System V, a removed file no fd holds
+                how = ('anonymous', None)  # shared anonymous, System V, a removed file no fd holds
             maps.append((lo, hi - lo, prot, int(parts[2], 16), how))
     return maps
 
 
-def _mount_id(fd):
+def _fdinfo(fd):
+    with open('/proc/self/fdinfo/%d' % fd) as f:
+        return f.read()
+
+
+def _fdinfo_field(fd, field):
     try:
-        with open('/proc/self/fdinfo/%d' % fd, 'rb') as f:
-            for line in f:
-                if line.startswith(b'mnt_id:'):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
+        for line in _fdinfo(fd).splitlines():
+            k, _, v = line.partition(':')
+            if k == field:
+                return v.strip()
+    except OSError:
         pass
     return None
+
+
+def _mount_id(fd):
+    v = _fdinfo_field(fd, 'mnt_id')
+    return int(v) if v and v.isdigit() else None
 
 
 def _mount_of(path):
@@ -178,6 +216,7 @@ def _unix_peers():
     (NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY dump with UDIAG_SHOW_PEER)."""
     s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 4)
     try:
+        s.settimeout(5)
         # unix_diag_req: family AF_UNIX, protocol, pad, all states, any inode, UDIAG_SHOW_PEER, no cookie
         req = struct.pack('=BBHIIIII', socket.AF_UNIX, 0, 0, 0xffffffff, 0, 4, 0xffffffff, 0xffffffff)
         s.sendto(struct.pack('=IHHII', 16 + len(req), 20, 0x301, 1, 0) + req, (0, 0))
@@ -189,20 +228,19 @@ def _unix_peers():
             off = 0
             while off + 16 <= len(data):
                 size, kind = struct.unpack_from('=IH', data, off)
-                if size < 16:
-                    return peers
-                if kind == 3:  # NLMSG_DONE
+                if size < 16 or kind == 3:  # NLMSG_DONE
                     return peers
                 if kind == 2:  # NLMSG_ERROR
                     raise OSError(-struct.unpack_from('=i', data, off + 16)[0], 'sock_diag')
-                if size >= 32:  # nlmsghdr + unix_diag_msg (family, type, state, pad, inode, cookie)
+                end = min(off + size, len(data))
+                if size >= 32 and end >= off + 24:  # nlmsghdr + unix_diag_msg (family, type, state, pad, inode, cookie)
                     ino = struct.unpack_from('=I', data, off + 20)[0]
                     a = off + 32
-                    while a + 4 <= off + size:
+                    while a + 4 <= end:
                         alen, atype = struct.unpack_from('=HH', data, a)
                         if alen < 4:
                             break
-                        if atype == 2 and alen >= 8:  # UNIX_DIAG_PEER
+                        if atype == 2 and alen >= 8 and a + 8 <= end:  # UNIX_DIAG_PEER
                             peers[ino] = struct.unpack_from('=I', data, a + 4)[0]
                         a += (alen + 3) & ~3
                 off += (size + 3) & ~3
@@ -221,21 +259,84 @@ def copy_bytes(src, dst):
         off += n
 
 
-def rehome(plan):
+def rehome(plan, log):
     """In the child: see the module's docstring. Epoll instances last: their
     registrations name the other fds by number."""
-    for fd, path in plan['files']:
-        _rehome_file(fd, path)
+    copies = {}  # (dev, ino) of an unnamed file -> a memfd with its bytes (for its fds and mappings)
+    for key, fds in plan['unnamed']:
+        fds = [fd for fd in fds if _is(fd, key)]
+        if not fds:
+            continue
+        try:
+            copies[key] = _copy_unnamed(fds[0])
+        except OSError as e:
+            _drop(fds, 'a copy of its bytes: %s' % e, log)
+            continue
+        for fd in fds:
+            _guarded(fd, lambda fd=fd: _reopen(fd, '/proc/self/fd/%d' % copies[key]), log)
+    for fd, key, path in plan['named']:
+        if _is(fd, key):
+            _guarded(fd, lambda fd=fd, path=path: _reopen(fd, path, copies_if_gone=True), log)
     if plan['maps']:
-        _rehome_maps(plan['maps'])
-    for fds in plan['pipes']:
-        _rehome_pipe(fds)
-    for a, b in plan['pairs']:
-        _rehome_pair(a, b)
-    for fd in plan['eventfds']:
-        _rehome_eventfd(fd)
+        _rehome_maps(plan['maps'], copies)
+    for copy in copies.values():
+        os.close(copy)
+    for key, fds in plan['pipes']:
+        fds = [fd for fd in fds if _is(fd, key)]
+        if fds:
+            _guarded(fds, lambda fds=fds: _rehome_pipe(fds, log), log)
+    for a, b, a_ino, b_ino in plan['pairs']:
+        a = [fd for fd in a if _ino(fd) == a_ino]
+        b = [fd for fd in b if _ino(fd) == b_ino]
+        if a and b:
+            _guarded(a + b, lambda a=a, b=b: _rehome_pair(a, b), log)
+    for fds in plan['eventfds']:
+        fds = [fd for fd in fds if _link(fd) == _EVENTFD]
+        if fds:
+            _guarded(fds, lambda fds=fds: _rehome_eventfd(fds), log)
     for fd in plan['epolls']:
-        _rehome_epoll(fd)
+        if _link(fd) == _EPOLL:
+            _guarded(fd, lambda fd=fd: _rehome_epoll(fd), log)
+
+
+def _is(fd, key):
+    """fd is still what the list says (a fork server's list is older than its children)."""
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == key
+
+
+def _ino(fd):
+    try:
+        return os.fstat(fd).st_ino
+    except OSError:
+        return None
+
+
+def _link(fd):
+    try:
+        return os.readlink('/proc/self/fd/%d' % fd)
+    except OSError:
+        return None
+
+
+def _guarded(fds, fn, log):
+    try:
+        fn()
+    except OSError as e:
+        _drop(fds if isinstance(fds, list) else [fds], str(e), log)
+
+
+def _drop(fds, why, log):
+    """Closed in the child rather than left shared with its parent."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    log('fork: could not give this sandbox its own copy of fd %s (%s): closed here' % (', '.join(map(str, fds)), why))
 
 
 def _put(new, fd):
@@ -246,34 +347,53 @@ def _put(new, fd):
     fcntl.fcntl(fd, fcntl.F_SETFL, flags)
 
 
-def _rehome_file(fd, path):
+def _copy_unnamed(fd):
+    """A memfd with the bytes of fd's file, read through /proc (fd may be write-only or O_PATH)."""
+    src = os.open('/proc/self/fd/%d' % fd, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        copy = os.memfd_create('forkling-copy', os.MFD_CLOEXEC)
+        try:
+            copy_bytes(src, copy)
+        except OSError:
+            os.close(copy)
+            raise
+        return copy
+    finally:
+        os.close(src)
+
+
+def _reopen(fd, path, copies_if_gone=False):
+    """path opened with fd's access mode and flags, at fd's offset, in fd's place."""
     flags = fcntl.fcntl(fd, fcntl.F_GETFL) & _REOPEN_FLAGS
     if stat.S_ISDIR(os.fstat(fd).st_mode):
         flags |= os.O_DIRECTORY
-    cloexec = fcntl.fcntl(fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
     copy = None
-    if path is None:
-        copy = os.memfd_create('forkling-copy', os.MFD_CLOEXEC)
-        copy_bytes(fd, copy)
-        path = '/proc/self/fd/%d' % copy  # opened again with the original's access mode
     try:
         try:
             new = os.open(path, flags | os.O_CLOEXEC)
         except PermissionError:
             new = os.open(path, (flags & ~os.O_NOATIME) | os.O_CLOEXEC)
+        except FileNotFoundError:
+            if not copies_if_gone or flags & os.O_DIRECTORY:
+                raise
+            # removed by name since the list was made (a fork server's is older): copied instead
+            copy = _copy_unnamed(fd)
+            new = os.open('/proc/self/fd/%d' % copy, flags | os.O_CLOEXEC)
     finally:
         if copy is not None:
             os.close(copy)
-    if not flags & os.O_PATH:
-        try:
-            os.lseek(new, os.lseek(fd, 0, os.SEEK_CUR), os.SEEK_SET)
-        except OSError:
-            pass  # not seekable
-    os.dup2(new, fd, inheritable=not cloexec)
-    os.close(new)
+    try:
+        if not flags & os.O_PATH:
+            try:
+                os.lseek(new, os.lseek(fd, 0, os.SEEK_CUR), os.SEEK_SET)
+            except OSError:
+                pass  # not seekable
+        _put(new, fd)
+    finally:
+        os.close(new)
 
 
-def _rehome_maps(maps):
+def _rehome_maps(maps, copies):
     C = ctypes
     mmap = _libc.mmap
     mmap.restype, mmap.argtypes = C.c_void_p, (C.c_void_p, C.c_size_t, C.c_int, C.c_int, C.c_int, C.c_long)
@@ -290,7 +410,7 @@ def _rehome_maps(maps):
         return addr
 
     for lo, size, prot, offset, (how, arg) in maps:
-        if how == 'copy':
+        if how == 'anonymous' or (how == 'copy of' and arg not in copies):
             tmp = check(mmap(None, size, 3, _MAP_SHARED | _MAP_ANONYMOUS, -1, 0), 'copy')
             if not prot & 1 and mprotect(lo, size, prot | 1):
                 check(None, 'read')
@@ -299,7 +419,7 @@ def _rehome_maps(maps):
                 check(None, 'protect')
             check(mremap(tmp, size, size, _MREMAP_MAYMOVE | _MREMAP_FIXED, lo), 'move')
             continue
-        path = arg if how == 'path' else '/proc/self/fd/%d' % arg  # that fd is the child's copy by now
+        path = arg if how == 'path' else '/proc/self/fd/%d' % copies[arg]
         fd = os.open(path, (os.O_RDWR if prot & 2 else os.O_RDONLY) | os.O_CLOEXEC)
         try:
             check(mmap(lo, size, prot, _MAP_SHARED | _MAP_FIXED, fd, offset), path)
@@ -307,26 +427,25 @@ def _rehome_maps(maps):
             os.close(fd)
 
 
-def _rehome_pipe(fds):
+def _rehome_pipe(fds, log):
     """A new pipe in place of every end the parent held, with the bytes queued in it."""
     reads = [fd for fd in fds if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_WRONLY]
     writes = [fd for fd in fds if fd not in reads]
     r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
     try:
-        try:
-            fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, fcntl.fcntl(fds[0], fcntl.F_GETPIPE_SZ))  # room for what is queued
-        except OSError:
-            pass
         if reads:
-            tee = _libc.tee
-            tee.restype, tee.argtypes = ctypes.c_ssize_t, (ctypes.c_int, ctypes.c_int, ctypes.c_size_t, ctypes.c_uint)
-            queued = fcntl.ioctl(reads[0], _FIONREAD, struct.pack('i', 0))
-            left = struct.unpack('i', queued)[0]
-            while left > 0:  # tee copies without taking: the parent keeps its bytes
-                n = tee(reads[0], w, left, _SPLICE_F_NONBLOCK)
-                if n <= 0:
-                    break
-                left -= n
+            queued = struct.unpack('i', fcntl.ioctl(reads[0], _FIONREAD, struct.pack('i', 0)))[0]
+            if queued > 0:
+                try:
+                    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, max(queued, fcntl.fcntl(reads[0], fcntl.F_GETPIPE_SZ)))
+                except OSError:
+                    pass
+                tee = _libc.tee
+                tee.restype, tee.argtypes = ctypes.c_ssize_t, (ctypes.c_int, ctypes.c_int, ctypes.c_size_t, ctypes.c_uint)
+                # One call: tee copies without taking, so a second one would start over.
+                n = tee(reads[0], w, queued, _SPLICE_F_NONBLOCK)
+                if n < queued:
+                    log('fork: a pipe held %d bytes; %d of them copied into this sandbox' % (queued, max(n, 0)))
         for fd in reads:
             _put(r, fd)
         for fd in writes:
@@ -336,25 +455,36 @@ def _rehome_pipe(fds):
         os.close(w)
 
 
+def _sockopt(fd, opt):
+    v, n = ctypes.c_int(0), ctypes.c_uint32(4)
+    if _libc.getsockopt(fd, socket.SOL_SOCKET, opt, ctypes.byref(v), ctypes.byref(n)) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, os.strerror(e))
+    return v.value
+
+
+def _peek(fd):
+    """The bytes queued at a socket, left there (no socket object: that would
+    set the shared O_NONBLOCK under a default socket timeout)."""
+    n = struct.unpack('i', fcntl.ioctl(fd, _FIONREAD, struct.pack('i', 0)))[0]
+    if n <= 0:
+        return b''
+    buf = ctypes.create_string_buffer(n)
+    got = _libc.recv(fd, buf, ctypes.c_size_t(n), _MSG_PEEK | _MSG_DONTWAIT)
+    return buf.raw[:got] if got > 0 else b''
+
+
 def _rehome_pair(a_fds, b_fds):
     """A new Unix stream socket pair in place of one whose ends the parent both held, with the bytes queued at each end."""
-    probe = socket.socket(fileno=a_fds[0])
-    family, kind = probe.family, probe.type
-    probe.detach()
+    family, kind = _sockopt(a_fds[0], _SO_DOMAIN), _sockopt(a_fds[0], _SO_TYPE)
     if kind != socket.SOCK_STREAM:
         return  # queued datagrams cannot be read without taking them: left shared
     x, y = socket.socketpair(family, kind)
     try:
         for src, peer in ((a_fds[0], y), (b_fds[0], x)):  # what waits at src was sent by its peer
-            s = socket.socket(fileno=src)
-            try:
-                n = struct.unpack('i', fcntl.ioctl(src, _FIONREAD, struct.pack('i', 0)))[0]
-                data = s.recv(n, socket.MSG_PEEK | socket.MSG_DONTWAIT) if n > 0 else b''
-            except BlockingIOError:
-                data = b''
-            finally:
-                s.detach()
+            data = _peek(src)
             if data:
+                peer.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, max(2 * len(data), peer.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)))
                 peer.settimeout(1.0)
                 peer.sendall(data)
         for fd in a_fds:
@@ -366,22 +496,15 @@ def _rehome_pair(a_fds, b_fds):
         y.close()
 
 
-def _fdinfo(fd):
-    with open('/proc/self/fdinfo/%d' % fd) as f:
-        return f.read()
-
-
-def _rehome_eventfd(fd):
-    count, semaphore = 0, False
-    for line in _fdinfo(fd).splitlines():
-        key, _, value = line.partition(':')
-        if key == 'eventfd-count':
-            count = int(value.strip(), 16)
-        elif key == 'eventfd-semaphore':
-            semaphore = value.strip() == '1'
-    new = os.eventfd(count, os.EFD_CLOEXEC | (os.EFD_SEMAPHORE if semaphore else 0))
+def _rehome_eventfd(fds):
+    count = int(_fdinfo_field(fds[0], 'eventfd-count') or '0', 16)
+    semaphore = _fdinfo_field(fds[0], 'eventfd-semaphore') == '1'
+    new = os.eventfd(0, os.EFD_CLOEXEC | (os.EFD_SEMAPHORE if semaphore else 0))
     try:
-        _put(new, fd)
+        if count:
+            os.eventfd_write(new, count)
+        for fd in fds:
+            _put(new, fd)
     finally:
         os.close(new)
 

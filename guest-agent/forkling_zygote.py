@@ -377,11 +377,13 @@ def _server_main(agent, sock):
     os.environ['FORKLING_PROCESS_ROLE'] = 'sandbox'  # what every child is
     ROLE = 'sandbox'
     STATE['server_pid_fd'] = os.pidfd_open(os.getpid())
-    STATE['inherited'] = forkling_inherit.inherited(_own_fds())  # once: one thread, no user code, nothing changes it
     gc.collect()  # (a full collection also empties the free lists of tuples, floats, ...)
     _fill_pools()
     _setup_plan()  # in the fresh pools, made once for every child
     gc.freeze()  # what this process made goes out of the children's collector's way too
+    # Once, after the collection (whose finalizers may close files): one thread, no user code.
+    # The warm-up's at-fork handlers may still change fds: each child checks every entry.
+    STATE['inherited'] = forkling_inherit.inherited(_own_fds())
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)
     while True:
@@ -738,7 +740,7 @@ def _setup_child(ch, sockdir, branch, inherited):
     new_upper = os.open(plan['upper'], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     _run_steps(plan['pivot'])
     if inherited is not None:
-        forkling_inherit.rehome(inherited)
+        forkling_inherit.rehome(inherited, _agent_mod.log)
     if STATE['upper_fd'] is not None:
         os.close(STATE['upper_fd'])
     STATE['upper_fd'] = new_upper

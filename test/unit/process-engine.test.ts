@@ -203,6 +203,10 @@ test("open files and shared memory are each child's own: those of the warm-up (f
       'm = mmap.mmap(-1, 4096); m[:4] = b"anon"',
       'fm = open("/tmp/mapped", "w+b"); fm.write(bytes(4096)); fm.flush(); mm = mmap.mmap(fm.fileno(), 4096); mm[:4] = b"file"',
       's = open("/dev/shm/seg", "w+"); s.write("shm"); s.flush()',
+      // write-only and unlinked; and an unnamed file mapped shared (the mapping and the fd must stay one file)
+      'wo = open("/tmp/gone", "w"); wo.write("x"); wo.flush(); os.unlink("/tmp/gone")',
+      'u = tempfile.TemporaryFile(); u.truncate(4096); um = mmap.mmap(u.fileno(), 4096); um[:2] = b"u0"',
+      'def gone(): return open("/proc/self/fd/%d" % wo.fileno()).read()',
     ].join('\n'),
   });
   const see = '(f.tell(), (f.seek(0), f.read())[1], open("/tmp/log").read(), (t.seek(0), t.read())[1], bytes(m[:6]), bytes(mm[:6]), open("/tmp/mapped", "rb").read(6), (s.seek(0), s.read())[1], open("/dev/shm/seg").read())';
@@ -218,6 +222,9 @@ test("open files and shared memory are each child's own: those of the warm-up (f
     const seen = async (k: Sandbox) => ((await val(k.agent, see)) as unknown[]).map(bytesOf);
     assert.equal(await seen(a!), [6, 'warm+a', 'warm+a', 'unnamed+a', 'anon+a', 'file+a', 'file+a', 'shm+a', 'shm+a']);
     assert.equal(await seen(b!), warm, 'a sibling sees none of it');
+    await val(a!.agent, 'wo.write("A"); wo.flush(); um[:2] = b"uA"; 1');
+    assert.equal(await val(a!.agent, '(gone(), (u.seek(0), u.read(2))[1])').then((v) => (v as unknown[]).map(bytesOf)), ['xA', 'uA'], "the child's own copies, its mapping on its copy of the file");
+    assert.equal(await val(b!.agent, '(gone(), (u.seek(0), u.read(2))[1], bytes(um[:2]))').then((v) => (v as unknown[]).map(bytesOf)), ['x', 'u0', 'u0']);
     const [c] = await engine.fork(name, 1);
     kids.push(c!);
     assert.equal(await seen(c!), warm, 'nor does the template');
@@ -258,6 +265,7 @@ test("pipes, socket pairs, eventfds, asyncio's epoll and a template's subprocess
       'sa, sb = socket.socketpair(); sa.sendall(b"pair")',
       'cat = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)',
       'def registered(): return open("/proc/self/fdinfo/%d" % loop._selector.fileno()).read().count("tfd:")',
+      'out = os.dup(1)  # another fd of the host\'s console pipe: left as it is',
     ].join('\n'),
   });
   const kids: Sandbox[] = [];
@@ -272,10 +280,10 @@ test("pipes, socket pairs, eventfds, asyncio's epoll and a template's subprocess
         'os.write(pw, b"+a"); os.eventfd_write(ev, 10); sb.sendall(b"+a")',
         'x, y = socket.socketpair(); loop.add_reader(x.fileno(), lambda: None)',
         'try:\n    cat.stdin.write(b"from a\\n"); cat.stdin.flush(); piped = "written"\nexcept BrokenPipeError:\n    piped = "EPIPE"',
-        '(registered(), piped)',
+        '(registered(), piped, os.write(out, b"to the console\\n"))',
       ].join('\n'),
     );
-    assert.equal(wrote, [Number(before) + 1, 'EPIPE'], "the template's cat is not in the child: its stdin refuses writes");
+    assert.equal(wrote, [Number(before) + 1, 'EPIPE', 15], "the template's cat is not in the child: its stdin refuses writes");
     // B sees what the warm-up left, none of A's
     const seen = await val(
       b!.agent,

@@ -24,7 +24,7 @@ async function restoreAgent(sb: KvmSandbox, timeoutMs: number): Promise<AgentCli
   for (;;) {
     sb.throwIfStopped();
     const left = deadline - performance.now();
-    if (left <= 0) throw new Error(`child ${sb.id}: its agent did not answer within ${timeoutMs} ms (${last})`);
+    if (left <= 0) throw new Error(`child ${sb.id}: its agent did not answer within ${timeoutMs} ms (${last})${sb.lastLines(10)}`);
     try {
       const client = await connectAgent(sb.vsockPath, AGENT_PORT, Math.min(left, 5000));
       // A restored agent answers at once; one that does not must not stall the fork past its limit.

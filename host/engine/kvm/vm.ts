@@ -260,7 +260,8 @@ export class KvmSandbox implements Sandbox {
     this.resolveExit(info);
   }
 
-  private lastLines(n = 25): string {
+  /** Its last console lines, for an error message (a restored child's show a guest stall: RCU, soft lockup). */
+  lastLines(n = 25): string {
     const l = this.lines.slice(-n);
     return l.length ? `\nlast console lines:\n  ${l.join('\n  ')}` : '\n(the guest printed nothing)';
   }
