@@ -209,6 +209,13 @@ def _check_children(children):
 # ------------------------------------------------------------------ the zygote's base
 
 
+def _lowers(top):
+    """top, then the image; without root, the skeleton of the image's directories
+    between them (host/engine/process/skeleton.ts: directories we own)."""
+    skeleton = LAYERS + '/skeleton'
+    return [top, skeleton, LAYERS + '/image'] if os.path.isdir(skeleton) else [top, LAYERS + '/image']
+
+
 def _freeze_base():
     """Once, before the first fork: the template's files become the read-only
     base (overlay of its upper over the image, no upper of its own), and the
@@ -219,7 +226,7 @@ def _freeze_base():
     os.makedirs(BASE, exist_ok=True)
     os.makedirs(SCRATCH, exist_ok=True)
     mount('overlay', BASE, 'overlay', MS_RDONLY | MS_NOSUID | MS_NODEV,
-          'lowerdir=%s/upper:%s/image,userxattr' % (LAYERS, LAYERS))
+          'lowerdir=%s,userxattr' % ':'.join(_lowers(LAYERS + '/upper')))
     STATE['base_fd'] = os.open(BASE, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     STATE['pidns_fd'] = os.open('/proc/self/ns/pid', os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -645,6 +652,12 @@ def _setup_plan():
     upper, work, root = scratch + b'/upper', scratch + b'/work', scratch + b'/root'
     # A fork's lower layer is the zygote's frozen base; a sandbox booted
     # straight from the image (no zygote) branches on the image itself.
+    if not os.path.isdir(BASE) and os.path.isdir(LAYERS + '/skeleton'):
+        # Without root, a sandbox booted straight from the image branches on
+        # skeleton + image: made once, read-only, like a zygote's base.
+        os.makedirs(BASE, exist_ok=True)
+        mount('overlay', BASE, 'overlay', MS_RDONLY | MS_NOSUID | MS_NODEV,
+              'lowerdir=%s,userxattr' % ':'.join(_lowers(LAYERS + '/skeleton')[1:]))
     base = (BASE if os.path.isdir(BASE) else LAYERS + '/image').encode()
     dev = root + b'/dev'
     before_layer = [

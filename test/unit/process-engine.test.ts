@@ -673,7 +673,17 @@ test('works unprivileged too (uid 65534, user namespaces)', async () => {
     });
     assert.is(child.status, 0, `exit ${child.status}: ${child.stderr}`);
     const out = JSON.parse(child.stdout.trim().split('\n').pop()!);
-    assert.equal(out, { uid: 65534, fork: ['warm', 0, 1, ['0', '0', '1']], branch: ['warm', 1], boot: 1 });
+    assert.equal(out, {
+      uid: 65534,
+      fork: ['warm', 0, 1, ['0', '0', '1']],
+      own: ['w', 'q', 'loop'],
+      write: ['r', 'n', 'EACCES'],
+      branch: ['warm', 1],
+      branched: 'r1',
+      boot: 1,
+      bootWrite: 1,
+      bootBranch: 'c2',
+    });
   } finally {
     rmSync(home, { recursive: true, force: true });
   }

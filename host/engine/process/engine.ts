@@ -16,6 +16,7 @@ import { ensureImage } from '../../images.ts';
 import { storePath, writeFileAtomic } from '../../store.ts';
 import type { BootOptions, Engine, ExitInfo, Sandbox, SandboxStats, TemplateInfo, TemplateOptions } from '../engine.ts';
 import { type Cgroup, type CgroupLimits, CgroupTree } from './cgroups.ts';
+import { skeletonFor } from './skeleton.ts';
 import { sandboxAddon } from './native.ts';
 import { makeEngineDir, newId } from './runtime.ts';
 
@@ -451,6 +452,7 @@ export class ProcessEngine implements Engine {
     try {
       launched = a.sandboxLaunch({
         rootfs: opts.rootfs,
+        ...(process.getuid?.() !== 0 ? { skeleton: skeletonFor(opts.rootfs) } : {}),
         stage,
         runDir,
         agentDir: AGENT_DIR,

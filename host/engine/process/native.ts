@@ -6,6 +6,8 @@ import { ADDON_PATH } from '../../native.ts';
 export interface LaunchOptions {
   /** The image's unpacked root filesystem (host path): the read-only lower layer. */
   rootfs: string;
+  /** Without root: the rootfs's directories, owned by us (skeleton.ts), as the top lower layer. */
+  skeleton?: string;
   /** An empty host directory; only the sandbox's mount namespace mounts over it. */
   stage: string;
   /** Host directory bind-mounted at /run/forkling inside (the agent's socket lives there). */
@@ -43,6 +45,8 @@ interface RawAddon {
   sandboxReap(pid: number): ExitStatus | null;
   sandboxWatch(pid: number, cb: (s: ExitStatus) => void): void;
   sandboxPipe(): [number, number];
+  /** Marks a directory opaque to the overlay layers below it (user.overlay.opaque; skeleton.ts). */
+  sandboxOpaque(dir: string): void;
 }
 
 export interface SandboxAddon extends RawAddon {

@@ -40,6 +40,7 @@
 #include <grp.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
+#include <sys/xattr.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -94,6 +95,8 @@ const char* const kSteps[] = {
 struct Prepared {
   // paths outside (host view)
   std::string stage, image, agent, upper, work, root, rootfs, runDir, agentDir;
+  // Without root: a tree of the image's directories owned by us, the top lower layer (see sandboxLaunch).
+  std::string skeletonDir, skeleton, layersSkeleton;
   // paths inside the new root, still prefixed with `root`
   std::string run, runForkling, runAgent, layers, layersImage, layersUpper, proc, dev, pts, shm, sys, tmp;
   std::vector<std::string> devHost, devTarget;
@@ -191,6 +194,9 @@ void BindReadOnly(const char* src, const char* dst, int step) {
   // namespace: it is locked read-only here and in every bind of it.
   if (mount(p.image.c_str(), p.layersImage.c_str(), nullptr, MS_BIND, nullptr) != 0) Fail(10, errno);
   if (mount(p.upper.c_str(), p.layersUpper.c_str(), nullptr, MS_BIND, nullptr) != 0) Fail(10, errno);
+  if (!p.skeleton.empty()) {
+    if (!MkdirP(p.layersSkeleton.c_str()) || mount(p.skeleton.c_str(), p.layersSkeleton.c_str(), nullptr, MS_BIND, nullptr) != 0) Fail(10, errno);
+  }
   if (!p.agentDir.empty()) {
     if (!MkdirP(p.runAgent.c_str()) || mount(p.agent.c_str(), p.runAgent.c_str(), nullptr, MS_BIND, nullptr) != 0) Fail(16, errno);
   }
@@ -291,6 +297,10 @@ void BindReadOnly(const char* src, const char* dst, int step) {
   if (mount("forkling-layer", p.stage.c_str(), "tmpfs", MS_NOSUID | MS_NODEV, p.layerOpts.c_str()) != 0) Fail(4, errno);
   if (!MkdirP(p.image.c_str())) Fail(5, errno);
   BindReadOnly(p.rootfs.c_str(), p.image.c_str(), 6);
+  if (!p.skeletonDir.empty()) {
+    if (!MkdirP(p.skeleton.c_str())) Fail(5, errno);
+    BindReadOnly(p.skeletonDir.c_str(), p.skeleton.c_str(), 6);
+  }
   if (!p.agentDir.empty()) {
     if (!MkdirP(p.agent.c_str())) Fail(5, errno);
     BindReadOnly(p.agentDir.c_str(), p.agent.c_str(), 16);
@@ -458,8 +468,13 @@ void KillAndReap(pid_t pid) {
   }
 }
 
-// sandboxLaunch({rootfs, stage, runDir, agentDir?, hostname, argv, env, cgroupProcs,
+// sandboxLaunch({rootfs, skeleton?, stage, runDir, agentDir?, hostname, argv, env, cgroupProcs,
 //                layerSizeMiB?, stdoutFd?, lifelineFd?, seccomp}) -> {pid, keeperPid}
+// skeleton (without root): a tree of the rootfs's directories owned by us, the
+// overlay's top lower layer. The image's files belong to the host's root, which
+// our user namespace cannot map, and overlayfs refuses to copy up what it cannot
+// chown (EOVERFLOW): with the skeleton every directory is ours, so new files can
+// be made anywhere (the image's own files stay read-only).
 // pid: the sandbox (PID 1 of its namespaces, as seen here; not our child:
 // watch it with sandboxWatch); keeperPid: our child, gone once the sandbox
 // runs (reap it with sandboxWatch). lifelineFd: the read end of a pipe whose
@@ -474,16 +489,17 @@ Napi::Value Launch(const Napi::CallbackInfo& info) {
   p.stage = GetStr(o, "stage");
   p.runDir = GetStr(o, "runDir");
   p.agentDir = o.Get("agentDir").IsString() ? GetStr(o, "agentDir") : "";
+  p.skeletonDir = o.Get("skeleton").IsString() ? GetStr(o, "skeleton") : "";
   p.hostname = GetStr(o, "hostname");
   p.argv = GetStrs(o, "argv");
   p.env = GetStrs(o, "env");
   p.cgroupProcs = GetStrs(o, "cgroupProcs");
   if (p.argv.empty() || p.argv[0].empty() || p.argv[0][0] != '/') throw Napi::TypeError::New(env, "argv[0] must be an absolute path");
   if (p.hostname.empty() || p.hostname.size() > 64) throw Napi::RangeError::New(env, "hostname must have 1-64 characters");
-  for (const std::string* s : {&p.rootfs, &p.stage, &p.runDir, &p.agentDir}) {
-    if (s == &p.agentDir && s->empty()) continue;
+  for (const std::string* s : {&p.rootfs, &p.stage, &p.runDir, &p.agentDir, &p.skeletonDir}) {
+    if ((s == &p.agentDir || s == &p.skeletonDir) && s->empty()) continue;
     if (s->empty() || (*s)[0] != '/' || s->find_first_of(",:\\") != std::string::npos) {
-      throw Napi::TypeError::New(env, "rootfs, stage, runDir and agentDir must be absolute paths without , : or \\");
+      throw Napi::TypeError::New(env, "rootfs, skeleton, stage, runDir and agentDir must be absolute paths without , : or \\");
     }
   }
   uint32_t layerMiB = o.Get("layerSizeMiB").IsNumber() ? o.Get("layerSizeMiB").As<Napi::Number>().Uint32Value() : 1024;
@@ -529,7 +545,11 @@ Napi::Value Launch(const Napi::CallbackInfo& info) {
                 {"/proc/self/fd/1", p.dev + "/stdout"},
                 {"/proc/self/fd/2", p.dev + "/stderr"}};
   p.layerOpts = "mode=0755,size=" + std::to_string(layerMiB) + "m";
-  p.overlayOpts = "lowerdir=" + p.image + ",upperdir=" + p.upper + ",workdir=" + p.work + ",userxattr";
+  if (!p.skeletonDir.empty()) {
+    p.skeleton = p.stage + "/skeleton";
+    p.layersSkeleton = p.layers + "/skeleton";
+  }
+  p.overlayOpts = "lowerdir=" + (p.skeleton.empty() ? p.image : p.skeleton + ":" + p.image) + ",upperdir=" + p.upper + ",workdir=" + p.work + ",userxattr";
   for (auto& s : p.argv) p.argvp.push_back(s.data());
   p.argvp.push_back(nullptr);
   for (auto& s : p.env) p.envp.push_back(s.data());
@@ -706,9 +726,21 @@ Napi::Value Pipe(const Napi::CallbackInfo& info) {
   return a;
 }
 
+// sandboxOpaque(dir): marks a directory of a skeleton opaque to the layers
+// below it (user.overlay.opaque, for overlays mounted with userxattr): one we
+// could not read, whose lower copy an overlay would refuse to look into.
+Napi::Value Opaque(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  if (!info[0].IsString()) throw Napi::TypeError::New(env, "dir must be a string");
+  std::string dir = info[0].As<Napi::String>().Utf8Value();
+  if (setxattr(dir.c_str(), "user.overlay.opaque", "y", 1, 0) != 0) throw ErrnoError(env, "setxattr user.overlay.opaque", errno);
+  return env.Undefined();
+}
+
 }  // namespace
 
 void InitSandbox(Napi::Env env, Napi::Object exports) {
+  exports.Set("sandboxOpaque", Napi::Function::New(env, Opaque, "sandboxOpaque"));
   exports.Set("sandboxLaunch", Napi::Function::New(env, Launch, "sandboxLaunch"));
   exports.Set("sandboxReap", Napi::Function::New(env, Reap, "sandboxReap"));
   exports.Set("sandboxWatch", Napi::Function::New(env, Watch, "sandboxWatch"));
