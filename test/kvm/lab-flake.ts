@@ -26,7 +26,11 @@
 // QEMU (seen in fork.test.ts's Linux reclaim test, now skipped in the lab, and
 // once in snapshot-vm.test.ts, 2026-11-30): after 690 s of silence the runner
 // boots the lab again for the unfinished files (LAB FROZEN), within the same
-// two reboots.
+// two reboots. Once (2026-11-30) node itself died of SIGILL inside the lab
+// ("trap invalid opcode" at an address in V8's generated code, exit 132, in
+// server-kvm.test.ts, which passed in every other run): not retried; if it comes
+// back, compare the CPU features V8 picks under TCG (the runner lists the ones
+// TCG lacks) with the lab's -cpu model.
 import { appendFileSync } from 'node:fs';
 
 /**
