@@ -273,10 +273,10 @@ def rehome(plan, log):
             _drop(fds, 'a copy of its bytes: %s' % e, log)
             continue
         for fd in fds:
-            _guarded(fd, lambda fd=fd: _reopen(fd, '/proc/self/fd/%d' % copies[key]), log)
+            _guarded([fd], lambda fd=fd: _reopen(fd, '/proc/self/fd/%d' % copies[key]), log)
     for fd, key, path in plan['named']:
         if _is(fd, key):
-            _guarded(fd, lambda fd=fd, path=path: _reopen(fd, path, copies_if_gone=True), log)
+            _guarded([fd], lambda fd=fd, path=path: _reopen(fd, path, copies_if_gone=True), log)
     if plan['maps']:
         _rehome_maps(plan['maps'], copies)
     for copy in copies.values():
@@ -296,7 +296,7 @@ def rehome(plan, log):
             _guarded(fds, lambda fds=fds: _rehome_eventfd(fds), log)
     for fd in plan['epolls']:
         if _link(fd) == _EPOLL:
-            _guarded(fd, lambda fd=fd: _rehome_epoll(fd), log)
+            _guarded([fd], lambda fd=fd: _rehome_epoll(fd), log)
 
 
 def _is(fd, key):
@@ -326,7 +326,7 @@ def _guarded(fds, fn, log):
     try:
         fn()
     except OSError as e:
-        _drop(fds if isinstance(fds, list) else [fds], str(e), log)
+        _drop(fds, str(e), log)
 
 
 def _drop(fds, why, log):

@@ -209,11 +209,11 @@ def _check_children(children):
 # ------------------------------------------------------------------ the zygote's base
 
 
-def _lowers(top):
-    """top, then the image; without root, the skeleton of the image's directories
-    between them (host/engine/process/skeleton.ts: directories we own)."""
+def _image_layers():
+    """The image as overlay lower layers (top first): without root, the skeleton
+    of its directories above it (host/engine/process/skeleton.ts: directories we own)."""
     skeleton = LAYERS + '/skeleton'
-    return [top, skeleton, LAYERS + '/image'] if os.path.isdir(skeleton) else [top, LAYERS + '/image']
+    return [skeleton, LAYERS + '/image'] if os.path.isdir(skeleton) else [LAYERS + '/image']
 
 
 def _freeze_base():
@@ -226,7 +226,7 @@ def _freeze_base():
     os.makedirs(BASE, exist_ok=True)
     os.makedirs(SCRATCH, exist_ok=True)
     mount('overlay', BASE, 'overlay', MS_RDONLY | MS_NOSUID | MS_NODEV,
-          'lowerdir=%s,userxattr' % ':'.join(_lowers(LAYERS + '/upper')))
+          'lowerdir=%s,userxattr' % ':'.join([LAYERS + '/upper'] + _image_layers()))
     STATE['base_fd'] = os.open(BASE, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     STATE['pidns_fd'] = os.open('/proc/self/ns/pid', os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -657,7 +657,7 @@ def _setup_plan():
         # skeleton + image: made once, read-only, like a zygote's base.
         os.makedirs(BASE, exist_ok=True)
         mount('overlay', BASE, 'overlay', MS_RDONLY | MS_NOSUID | MS_NODEV,
-              'lowerdir=%s,userxattr' % ':'.join(_lowers(LAYERS + '/skeleton')[1:]))
+              'lowerdir=%s,userxattr' % ':'.join(_image_layers()))
     base = (BASE if os.path.isdir(BASE) else LAYERS + '/image').encode()
     dev = root + b'/dev'
     before_layer = [

@@ -14,6 +14,7 @@ import type { Sandbox } from '../../host/engine/engine.ts';
 import { ProcessEngine } from '../../host/engine/process/engine.ts';
 import { ensureImage } from '../../host/images.ts';
 import { storePath } from '../../host/store.ts';
+import { pollUntil } from '../../host/util/poll.ts';
 
 const root = dirname(dirname(dirname(fileURLToPath(import.meta.url))));
 
@@ -37,6 +38,27 @@ const alive = (pid: number) => {
   }
 };
 const hostPid = (s: Sandbox) => (s as unknown as { hostPid: number }).hostPid;
+/** Host pids of a process's children ([] once it is gone). */
+const childrenOf = (pid: number): number[] => {
+  try {
+    return readdirSync(`/proc/${pid}/task`).flatMap((t) => readFileSync(`/proc/${pid}/task/${t}/children`, 'utf8').split(' ').filter(Boolean).map(Number));
+  } catch {
+    return [];
+  }
+};
+
+/** Runs `fn` with a template of its own (the `default` image, warmed up with `warmup`); kills what it put in `kids` and forgets the template after (its zygote ends with the engine). */
+async function withTemplate(suffix: string, warmup: string[], fn: (name: string, kids: Sandbox[]) => Promise<void>): Promise<void> {
+  const name = `${TEMPLATE}-${suffix}`;
+  await engine.createTemplate({ name, image: 'default', warmup: warmup.join('\n') });
+  const kids: Sandbox[] = [];
+  try {
+    await fn(name, kids);
+  } finally {
+    await Promise.all(kids.map((k) => k.kill()));
+    rmSync(storePath('process-templates', `${name}.json`), { force: true });
+  }
+}
 const meminfo = (key: string) => Number(new RegExp(`^${key}:\\s+(\\d+)`, 'm').exec(readFileSync('/proc/meminfo', 'utf8'))![1]);
 const memAvailableKiB = () => meminfo('MemAvailable');
 
@@ -133,15 +155,8 @@ test('a fork request that hits the pids limit part-way: the forked children answ
   for (const b of bad) assert.match(b.error ?? '', /Resource temporarily unavailable|not forked|can't start new thread/);
   // every child reported forked is alive (listening); kill them
   const nsToHost = new Map<number, number>();
-  const kidsOf = (pid: number): number[] => {
-    try {
-      return readdirSync(`/proc/${pid}/task`).flatMap((t) => readFileSync(`/proc/${pid}/task/${t}/children`, 'utf8').split(' ').filter(Boolean).map(Number));
-    } catch {
-      return []; // gone meanwhile
-    }
-  };
   // the zygote's forks are the children of its fork server (its one child that is not PID 1 of a namespace of its own)
-  for (const k of kidsOf(z.pid).flatMap((s) => [s, ...kidsOf(s)])) {
+  for (const k of childrenOf(z.pid).flatMap((s) => [s, ...childrenOf(s)])) {
     if (!alive(k)) continue; // earlier tests' killed sandboxes, waiting for the fork server to reap them
     const ns = /^NSpid:\s+(.*)$/m.exec(readFileSync(`/proc/${k}/status`, 'utf8'))![1]!.trim().split(/\s+/).map(Number);
     if (ns[ns.length - 1] === 1) nsToHost.set(ns[ns.length - 2]!, k);
@@ -191,28 +206,21 @@ test('files written in one child are absent in its siblings', async () => {
 test("open files and shared memory are each child's own: those of the warm-up (fork) and of a live source (BRANCH)", async () => {
   // A fork shares its parent's open file descriptions and MAP_SHARED pages: a child must get its
   // own, or it writes the template's files (which every sibling reads) or its source's.
-  const name = `${TEMPLATE}-files`;
-  await engine.createTemplate({
-    name,
-    image: 'default',
-    warmup: [
-      'import os, mmap, tempfile',
-      'f = open("/tmp/log", "w+"); f.write("warm"); f.flush(); os.set_inheritable(f.fileno(), True)',
-      'open("/tmp/ro", "w").write("read-only"); r = open("/tmp/ro"); r.read(4)',
-      't = tempfile.TemporaryFile(); t.write(b"unnamed"); t.flush()',
-      'm = mmap.mmap(-1, 4096); m[:4] = b"anon"',
-      'fm = open("/tmp/mapped", "w+b"); fm.write(bytes(4096)); fm.flush(); mm = mmap.mmap(fm.fileno(), 4096); mm[:4] = b"file"',
-      's = open("/dev/shm/seg", "w+"); s.write("shm"); s.flush()',
-      // write-only and unlinked; and an unnamed file mapped shared (the mapping and the fd must stay one file)
-      'wo = open("/tmp/gone", "w"); wo.write("x"); wo.flush(); os.unlink("/tmp/gone")',
-      'u = tempfile.TemporaryFile(); u.truncate(4096); um = mmap.mmap(u.fileno(), 4096); um[:2] = b"u0"',
-      'def gone(): return open("/proc/self/fd/%d" % wo.fileno()).read()',
-    ].join('\n'),
-  });
-  const see = '(f.tell(), (f.seek(0), f.read())[1], open("/tmp/log").read(), (t.seek(0), t.read())[1], bytes(m[:6]), bytes(mm[:6]), open("/tmp/mapped", "rb").read(6), (s.seek(0), s.read())[1], open("/dev/shm/seg").read())';
-  const warm = [4, 'warm', 'warm', 'unnamed', 'anon\0\0', 'file\0\0', 'file\0\0', 'shm', 'shm'];
-  const kids: Sandbox[] = [];
-  try {
+  await withTemplate('files', [
+    'import os, mmap, tempfile',
+    'f = open("/tmp/log", "w+"); f.write("warm"); f.flush(); os.set_inheritable(f.fileno(), True)',
+    'open("/tmp/ro", "w").write("read-only"); r = open("/tmp/ro"); r.read(4)',
+    't = tempfile.TemporaryFile(); t.write(b"unnamed"); t.flush()',
+    'm = mmap.mmap(-1, 4096); m[:4] = b"anon"',
+    'fm = open("/tmp/mapped", "w+b"); fm.write(bytes(4096)); fm.flush(); mm = mmap.mmap(fm.fileno(), 4096); mm[:4] = b"file"',
+    's = open("/dev/shm/seg", "w+"); s.write("shm"); s.flush()',
+    // write-only and unlinked; and an unnamed file mapped shared (the mapping and the fd must stay one file)
+    'wo = open("/tmp/gone", "w"); wo.write("x"); wo.flush(); os.unlink("/tmp/gone")',
+    'u = tempfile.TemporaryFile(); u.truncate(4096); um = mmap.mmap(u.fileno(), 4096); um[:2] = b"u0"',
+    'def gone(): return open("/proc/self/fd/%d" % wo.fileno()).read()',
+  ], async (name, kids) => {
+    const see = '(f.tell(), (f.seek(0), f.read())[1], open("/tmp/log").read(), (t.seek(0), t.read())[1], bytes(m[:6]), bytes(mm[:6]), open("/tmp/mapped", "rb").read(6), (s.seek(0), s.read())[1], open("/dev/shm/seg").read())';
+    const warm = [4, 'warm', 'warm', 'unnamed', 'anon\0\0', 'file\0\0', 'file\0\0', 'shm', 'shm'];
     const [a, b] = await engine.fork(name, 2);
     kids.push(a!, b!);
     const fresh = await val(b!.agent, '(f.tell(), r.tell(), r.readable(), r.writable(), os.get_inheritable(f.fileno()), os.get_inheritable(r.fileno()))');
@@ -246,30 +254,20 @@ test("open files and shared memory are each child's own: those of the warm-up (f
       'BRle+a',
       'BRle+a',
     ]);
-  } finally {
-    await Promise.all(kids.map((k) => k.kill()));
-    rmSync(storePath('process-templates', `${name}.json`), { force: true }); // (its zygote ends with the engine)
-  }
+  });
 });
 
 test("pipes, socket pairs, eventfds, asyncio's epoll and a template's subprocess are each child's own", async () => {
-  const name = `${TEMPLATE}-fds`;
-  await engine.createTemplate({
-    name,
-    image: 'default',
-    warmup: [
-      'import asyncio, os, socket, subprocess',
-      'loop = asyncio.new_event_loop()',
-      'pr, pw = os.pipe(); os.write(pw, b"queued")',
-      'ev = os.eventfd(3)',
-      'sa, sb = socket.socketpair(); sa.sendall(b"pair")',
-      'cat = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)',
-      'def registered(): return open("/proc/self/fdinfo/%d" % loop._selector.fileno()).read().count("tfd:")',
-      'out = os.dup(1)  # another fd of the host\'s console pipe: left as it is',
-    ].join('\n'),
-  });
-  const kids: Sandbox[] = [];
-  try {
+  await withTemplate('fds', [
+    'import asyncio, os, socket, subprocess',
+    'loop = asyncio.new_event_loop()',
+    'pr, pw = os.pipe(); os.write(pw, b"queued")',
+    'ev = os.eventfd(3)',
+    'sa, sb = socket.socketpair(); sa.sendall(b"pair")',
+    'cat = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)',
+    'def registered(): return open("/proc/self/fdinfo/%d" % loop._selector.fileno()).read().count("tfd:")',
+    'out = os.dup(1)  # another fd of the host\'s console pipe: left as it is',
+  ], async (name, kids) => {
     const [a, b] = await engine.fork(name, 2);
     kids.push(a!, b!);
     const before = await val(b!.agent, 'registered()');
@@ -303,42 +301,25 @@ test("pipes, socket pairs, eventfds, asyncio's epoll and a template's subprocess
     await val(br!.agent, 'os.write(qw, b"+br"); 1');
     assert.equal(await val(br!.agent, 'os.read(qr, 100)'), Buffer.from('src+br'));
     assert.equal(await val(a!.agent, 'os.read(qr, 100)'), Buffer.from('src'));
-  } finally {
-    await Promise.all(kids.map((k) => k.kill()));
-    rmSync(storePath('process-templates', `${name}.json`), { force: true }); // (its zygote ends with the engine)
-  }
+  });
 });
 
 test('a fork server that dies in the middle of a request leaves no child behind; children already handed out live on', async () => {
-  const name = `${TEMPLATE}-dies`;
   // The warm-up's at-fork handler stops the fork server after its fifth fork, in the middle of
   // the second request (forks 3-5), while the host still waits for its answer.
-  await engine.createTemplate({
-    name,
-    image: 'default',
-    warmup: [
-      'import os, time',
-      'forks = [0]',
-      'def after():',
-      '    if os.environ.get("FORKLING_PROCESS_ROLE") == "sandbox" and "FORKLING_SANDBOX_ID" not in os.environ:  # the fork server',
-      '        forks[0] += 1',
-      '        if forks[0] == 5:',
-      '            time.sleep(120)',
-      'os.register_at_fork(after_in_parent=after)',
-    ].join('\n'),
-  });
-  const zygote = engine.zygotePid(name)!;
-  const runDir = (engine as unknown as { zygotes: Map<string, { runDir: string }> }).zygotes.get(name)!.runDir;
-  const childrenOf = (pid: number): number[] => {
-    try {
-      return readdirSync(`/proc/${pid}/task`).flatMap((t) => readFileSync(`/proc/${pid}/task/${t}/children`, 'utf8').split(' ').filter(Boolean).map(Number));
-    } catch {
-      return [];
-    }
-  };
-  const family = (pid: number): number[] => childrenOf(pid).flatMap((k) => (alive(k) ? [k, ...family(k)] : []));
-  const kids: Sandbox[] = [];
-  try {
+  await withTemplate('dies', [
+    'import os, time',
+    'forks = [0]',
+    'def after():',
+    '    if os.environ.get("FORKLING_PROCESS_ROLE") == "sandbox" and "FORKLING_SANDBOX_ID" not in os.environ:  # the fork server',
+    '        forks[0] += 1',
+    '        if forks[0] == 5:',
+    '            time.sleep(120)',
+    'os.register_at_fork(after_in_parent=after)',
+  ], async (name, kids) => {
+    const zygote = engine.zygotePid(name)!;
+    const runDir = (engine as unknown as { zygotes: Map<string, { runDir: string }> }).zygotes.get(name)!.runDir;
+    const family = (pid: number): number[] => childrenOf(pid).flatMap((k) => (alive(k) ? [k, ...family(k)] : []));
     kids.push(...(await engine.fork(name, 2))); // the server's first two forks
     const sockets = () => readdirSync(join(runDir, 's')).filter((d) => existsSync(join(runDir, 's', d, 'agent.sock'))).length;
     const pending = engine.fork(name, 3).then(
@@ -346,9 +327,7 @@ test('a fork server that dies in the middle of a request leaves no child behind;
       (e: Error) => e.message,
     );
     // all three forked and listening, their server stuck: it dies now
-    for (let wait = 1, deadline = Date.now() + 20000; sockets() < 5 && Date.now() < deadline; wait = Math.min(wait * 2, 50)) {
-      await new Promise((r) => setTimeout(r, wait));
-    }
+    await pollUntil(() => sockets() >= 5, 20000);
     assert.is(sockets(), 5, 'the request\'s three children listen');
     const server = childrenOf(zygote).find((p) => {
       const ns = /^NSpid:\s+(.*)$/m.exec(readFileSync(`/proc/${p}/status`, 'utf8'))?.[1]?.trim().split(/\s+/);
@@ -361,19 +340,14 @@ test('a fork server that dies in the middle of a request leaves no child behind;
     // server's pid namespace) live on
     const handedOut = new Set(kids.flatMap((k) => [hostPid(k), ...family(hostPid(k))]));
     const left = () => family(zygote).filter((p) => !handedOut.has(p));
-    for (let wait = 1, deadline = Date.now() + 5000; left().length > 0 && Date.now() < deadline; wait = Math.min(wait * 2, 50)) {
-      await new Promise((r) => setTimeout(r, wait));
-    }
+    await pollUntil(() => left().length === 0, 5000);
     assert.equal(left(), [], 'no other process is left under the zygote');
     for (const k of kids) assert.is(await val(k.agent, '6 * 7'), 42, 'children the host had taken live on');
     // the next request gets a new server
     const [c] = await engine.fork(name, 1);
     kids.push(c!);
     assert.is(await val(c!.agent, '1 + 1'), 2);
-  } finally {
-    await Promise.all(kids.map((k) => k.kill()));
-    rmSync(storePath('process-templates', `${name}.json`), { force: true });
-  }
+  });
 });
 
 test('BRANCH to depth 3: each level sees every variable above it; sources keep running', async () => {
@@ -408,9 +382,7 @@ test('killing a source leaves its branches running; the last branch to go takes 
   const [src] = await engine.fork(TEMPLATE, 1);
   await val(src!.agent, 'import subprocess\nS = "state of the source"; open("/tmp/src", "w").write("src file")\nP = subprocess.Popen(["sleep", "1000"])\n1');
   const srcPid = hostPid(src!);
-  const kidsOf = (pid: number) =>
-    readdirSync(`/proc/${pid}/task`).flatMap((t) => readFileSync(`/proc/${pid}/task/${t}/children`, 'utf8').split(' ').filter(Boolean).map(Number));
-  const srcSleep = kidsOf(srcPid);
+  const srcSleep = childrenOf(srcPid);
   assert.is(srcSleep.length, 1, 'the source has one child process: its sleep');
   const srcCg = (src as unknown as { cgroup: { dirs: string[] } | null }).cgroup?.dirs ?? [];
   const srcRun = (src as unknown as { runDir: string }).runDir;

@@ -6,6 +6,7 @@
 // warning that says why.
 import { mkdirSync, readdirSync, readFileSync, rmdirSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
+import { pollUntil } from '../../util/poll.ts';
 import { processRunning } from './runtime.ts';
 
 export interface CgroupLimits {
@@ -238,11 +239,7 @@ export class CgroupTree {
       } catch {}
       return true; // no freezer, or the cgroup is gone: nothing to wait for
     };
-    for (let wait = 1, deadline = Date.now() + timeoutMs; !check(); wait = Math.min(wait * 2, 20)) {
-      if (Date.now() > deadline) return false;
-      await new Promise((r) => setTimeout(r, wait));
-    }
-    return true;
+    return pollUntil(check, timeoutMs, 20);
   }
 
   /** Freezes (true) or thaws the cgroup; false when no freezer is available. */

@@ -14,6 +14,7 @@ import { type AgentClient, connectUnix } from '../../agent/client.ts';
 import { checkName, UserError } from '../../errors.ts';
 import { ensureImage } from '../../images.ts';
 import { storePath, writeFileAtomic } from '../../store.ts';
+import { pollUntil } from '../../util/poll.ts';
 import type { BootOptions, Engine, ExitInfo, Sandbox, SandboxStats, TemplateInfo, TemplateOptions } from '../engine.ts';
 import { type Cgroup, type CgroupLimits, CgroupTree } from './cgroups.ts';
 import { skeletonFor } from './skeleton.ts';
@@ -332,10 +333,9 @@ class ProcessSandbox implements Sandbox {
       void this.cleanup()
         .then(async (errors) => {
           // A task leaves its cgroup before it is done exiting: wait until it is (a zombie, or reaped).
-          for (let wait = 1, deadline = Date.now() + 5000; alivePid(this.hostPid) && Date.now() < deadline; wait = Math.min(wait * 2, 50)) {
-            await new Promise((r) => setTimeout(r, wait));
+          if (!(await pollUntil(() => !alivePid(this.hostPid), 5000))) {
+            errors.push(`sandbox ${this.id}: its PID 1 (host pid ${this.hostPid}) did not exit within 5 s of SIGKILL`);
           }
-          if (alivePid(this.hostPid)) errors.push(`sandbox ${this.id}: its PID 1 (host pid ${this.hostPid}) did not exit within 5 s of SIGKILL`);
           return errors;
         })
         .then((errors) => {
