@@ -154,9 +154,9 @@ export class AgentClient {
     this.idleListeners.push(fn);
   }
 
-  /** Closes the stream; pending requests reject with code 'closed'. */
-  close(): void {
-    this.onClosed(new AgentError('closed', 'connection closed by the client'));
+  /** Closes the stream; pending requests reject with code 'closed' and `why` (default: closed by the client). */
+  close(why = 'connection closed by the client'): void {
+    this.onClosed(new AgentError('closed', why));
     this.stream.destroy();
   }
 

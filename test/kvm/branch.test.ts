@@ -8,7 +8,7 @@ import * as assert from 'uvu/assert';
 import { KvmEngine } from '../../host/engine/kvm/engine.ts';
 import { templateDir } from '../../host/engine/kvm/template.ts';
 import type { KvmSandbox } from '../../host/engine/kvm/vm.ts';
-import { labRetry } from './lab-flake.ts';
+import { labRetry, labTest } from './lab-flake.ts';
 
 const engine = new KvmEngine();
 const NAME = `test-branch-${process.pid}`;
@@ -18,12 +18,12 @@ test.before(async () => {
   await labRetry('template boot', () => engine.createTemplate({ name: NAME, image: 'default', warmup: 'BASE = "template"' }));
 });
 
-test('a BRANCH child sees variables and RAM files set after the template; the source goes on', async () => {
-  const [src] = await labRetry('fork', () => engine.fork(NAME, 1));
+labTest('a BRANCH child sees variables and RAM files set after the template; the source goes on', async () => {
+  const [src] = await engine.fork(NAME, 1);
   alive.push(src!);
   await src!.agent.eval('L1 = "one"\nbig = bytearray(8 << 20)\nbig[::4096] = b"x" * len(big[::4096])');
   await src!.agent.writeFile('/tmp/from-source', 'source file');
-  const kids = await labRetry('branch', () => engine.branch(src!, 2));
+  const kids = await engine.branch(src!, 2);
   alive.push(...kids);
   const b = engine.lastBranch!;
   assert.ok(b.privatePages >= 2048, `the 8 MiB the source wrote is in the diff (${b.privatePages} pages)`);
@@ -40,17 +40,17 @@ test('a BRANCH child sees variables and RAM files set after the template; the so
   assert.is((await src!.agent.eval('"CHILD_ONLY" in dir()')).value, false);
 });
 
-test('a third-level BRANCH child sees all three levels', async () => {
-  const [l0] = await labRetry('fork', () => engine.fork(NAME, 1));
+labTest('a third-level BRANCH child sees all three levels', async () => {
+  const [l0] = await engine.fork(NAME, 1);
   alive.push(l0!);
   await l0!.agent.eval('A = 1');
-  const [l1] = await labRetry('branch', () => engine.branch(l0!, 1));
+  const [l1] = await engine.branch(l0!, 1);
   alive.push(l1!);
   await l1!.agent.eval('B = 2');
-  const [l2] = await labRetry('branch', () => engine.branch(l1!, 1));
+  const [l2] = await engine.branch(l1!, 1);
   alive.push(l2!);
   await l2!.agent.eval('C = 3');
-  const [l3] = await labRetry('branch', () => engine.branch(l2!, 1));
+  const [l3] = await engine.branch(l2!, 1);
   alive.push(l3!);
   assert.is(engine.lastBranch!.depth, 3);
   assert.is((await l3!.agent.eval('(BASE, A, B, C)')).repr, "('template', 1, 2, 3)");

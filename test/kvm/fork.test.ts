@@ -10,15 +10,15 @@ import * as assert from 'uvu/assert';
 import type { TemplateInfo } from '../../host/engine/engine.ts';
 import { KvmEngine, RECLAIM_IDLE_MS } from '../../host/engine/kvm/engine.ts';
 import { MEMORY_FILE, STATE_FILE, templateDir } from '../../host/engine/kvm/template.ts';
-import { labRetry } from './lab-flake.ts';
+import { labRetry, labTest } from './lab-flake.ts';
 
 const engine = new KvmEngine();
 const NAME = `test-fork-${process.pid}`;
 const WARMUP = 'import os, random, uuid, time\nWARM = "warm-" + str(6 * 7)\nrandom.seed(1234)\nTEMPLATE_FIRST = random.random()';
 let info: TemplateInfo;
 
-/** A fork of the test template; in the lab a child's early triple fault is retried once (lab-flake.ts). */
-const fork = (n: number) => labRetry(`fork of ${n}`, () => engine.fork(NAME, n));
+/** A fork of the test template (in the lab, a test of children is retried as a whole after a triple fault: labTest). */
+const fork = (n: number) => engine.fork(NAME, n);
 
 async function rejects(p: () => Promise<unknown>, match: RegExp): Promise<void> {
   try {
@@ -38,7 +38,7 @@ test.before(async () => {
   info = await labRetry('template boot', () => engine.createTemplate({ name: NAME, image: 'default', warmup: WARMUP }));
 });
 
-test('the warm-up state is in every child; children are ready after restore', async () => {
+labTest('the warm-up state is in every child; children are ready after restore', async () => {
   const kids = await fork(3);
   try {
     for (const k of kids) {
@@ -53,7 +53,7 @@ test('the warm-up state is in every child; children are ready after restore', as
   }
 });
 
-test('10 children in parallel each answer their own eval', async () => {
+labTest('10 children in parallel each answer their own eval', async () => {
   const kids = await fork(10);
   try {
     const answers = await Promise.all(kids.map((k, i) => k.agent.eval(`${i} * 1000 + 7`)));
@@ -63,7 +63,7 @@ test('10 children in parallel each answer their own eval', async () => {
   }
 });
 
-test('os.urandom, uuid4 and random.random differ in every child and from the template', async () => {
+labTest('os.urandom, uuid4 and random.random differ in every child and from the template', async () => {
   // What the template itself would draw next from its seeded generator.
   const templateNext = Number(execFileSync('/usr/bin/python3', ['-c', 'import random; random.seed(1234); random.random(); print(repr(random.random()))']).toString().trim());
   const kids = await fork(5);
@@ -77,7 +77,7 @@ test('os.urandom, uuid4 and random.random differ in every child and from the tem
   }
 });
 
-test('time.time() in a child of a template made a while ago is within 1 s of the host', async () => {
+labTest('time.time() in a child of a template made a while ago is within 1 s of the host', async () => {
   // The template's clock stopped when it was saved; make sure it is old.
   const age = Date.now() - Date.parse(info.createdAt);
   if (age < 3000) await new Promise((r) => setTimeout(r, 3000 - age));
@@ -91,7 +91,7 @@ test('time.time() in a child of a template made a while ago is within 1 s of the
   }
 });
 
-test('a file written in one child is absent in its siblings', async () => {
+labTest('a file written in one child is absent in its siblings', async () => {
   const [a, b] = await fork(2);
   try {
     await a!.agent.writeFile('/tmp/only-in-a', 'a');
@@ -104,14 +104,17 @@ test('a file written in one child is absent in its siblings', async () => {
   }
 });
 
-test('children own few pages while alive; killing them frees their memory', async () => {
+labTest('children own few pages while alive; killing them frees their memory', async () => {
   const mem = join(templateDir(NAME), MEMORY_FILE);
   const kids = await fork(3);
-  const stats = await Promise.all(kids.map((k) => k.stats()));
-  for (const s of stats) assert.ok(s.privateKiB > 0 && s.privateKiB < 64 * 1024, `${s.privateKiB} KiB private`);
-  console.log(`    private memory per idle child: ${stats.map((s) => s.privateKiB).join(', ')} KiB`);
-  assert.ok(mappingsOf(mem) >= 3);
-  await Promise.all(kids.map((k) => k.kill()));
+  try {
+    const stats = await Promise.all(kids.map((k) => k.stats()));
+    for (const s of stats) assert.ok(s.privateKiB > 0 && s.privateKiB < 64 * 1024, `${s.privateKiB} KiB private`);
+    console.log(`    private memory per idle child: ${stats.map((s) => s.privateKiB).join(', ')} KiB`);
+    assert.ok(mappingsOf(mem) >= 3);
+  } finally {
+    await Promise.all(kids.map((k) => k.kill()));
+  }
   assert.is(mappingsOf(mem), 0, 'no child maps the memory file any more');
 });
 

@@ -10,8 +10,8 @@
 // in the same paths: our suspect (not proven). Not seen outside the lab. Such
 // a boot or fork is retried once, loudly, so the lab tests what it can; a
 // second one fails the test (a benchmark of 100 children may allow more
-// tries: one in 100 children is enough to fail a fork). Anywhere else there
-// is no retry.
+// tries: one in 100 children is enough to fail a fork; a test of children
+// retries as a whole, labTest). Anywhere else there is no retry.
 //
 // The lab's own kernel has its own trouble under load (test/lab/run.ts boots
 // it again, LAB CRASH): recursive page faults in exception entry in one of
@@ -32,6 +32,7 @@
 // back, compare the CPU features V8 picks under TCG (the runner lists the ones
 // TCG lacks) with the lab's -cpu model.
 import { appendFileSync } from 'node:fs';
+import { test } from 'uvu';
 
 /**
  * A test file's progress lines, stamped with seconds since it started; in the
@@ -63,4 +64,14 @@ export async function labRetry<T>(tag: string, fn: () => Promise<T>, log: (line:
       console.log(`LAB FLAKE (${tag}): early triple fault before any guest output; tried again`);
     }
   }
+}
+
+/**
+ * A uvu test whose Linux children may triple-fault in the lab at any moment,
+ * also after they answered (2 of 150 restored children in one lab run,
+ * 2026-11-30): there the whole test runs again after such a fault, 3 times in
+ * all; anywhere else it runs once.
+ */
+export function labTest(name: string, fn: () => Promise<void>): void {
+  test(name, () => labRetry(name, fn, console.error, 3));
 }

@@ -253,7 +253,8 @@ export class KvmSandbox implements Sandbox {
     if (this.reclaimTimer) clearTimeout(this.reclaimTimer);
     this.vm?.kill();
     this.vm = null;
-    this.client?.close();
+    // A VM that ended on its own tells requests in flight why, with its last words.
+    this.client?.close(info.reason === 'killed' ? undefined : `the VM ${this.id} stopped (${info.reason}${info.message ? `: ${info.message}` : ''})${this.lastLines()}`);
     rmSync(this.vsockPath, { force: true });
     for (const w of this.stopWaiters) w(info);
     this.stopWaiters.clear();
