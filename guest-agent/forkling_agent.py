@@ -18,7 +18,9 @@ Usage: forkling_agent.py [--unix PATH] [--vsock PORT] [--max-memory BYTES]
                          [--system-ops entropy,clock,hostname|none|all]
 """
 
+import _thread
 import ast
+import codecs
 import errno
 import fcntl
 import json
@@ -26,6 +28,7 @@ import linecache
 import os
 import queue
 import random  # imported up front: restore must stay under 1 ms
+import select
 import selectors
 import shutil
 import signal
@@ -58,6 +61,7 @@ TAIL_KEEP = 64 << 10  # process output kept for proc.wait
 EVAL_FLUSH_BYTES = 32 << 10  # eval output flushed when this much is buffered...
 EVAL_FLUSH_S = 0.02  # ...or after this long
 EVAL_BUFFER_MAX = 8 << 20  # a print() waits while this much is unsent
+FD_LOOK_AFTER_NS = 50_000  # a print this long after the last one first takes what fds 1 and 2 got (FdCapture)
 REPR_MAX = 256 << 10
 TRACEBACK_MAX = 1 << 20
 SEND_TIMEOUT_S = 60  # a send blocked this long (client not reading) closes the connection
@@ -433,9 +437,10 @@ class EvalOutput:
     """stdout/stderr of one eval: buffered by the eval, sent by the flusher
     thread and finally by the main thread before the response (order kept)."""
 
-    def __init__(self, conn, req_id):
+    def __init__(self, conn, req_id, wake):
         self.conn = conn
         self.req_id = req_id
+        self.wake = wake  # wakes the flusher
         self.segments = []  # [stream, [texts]]
         self.size = 0
         self.buf_lock = threading.Lock()
@@ -455,6 +460,8 @@ class EvalOutput:
                 self.segments.append([stream, [text]])
             self.size += len(text)
             wake = first or self.size >= EVAL_FLUSH_BYTES
+            if self.size > EVAL_BUFFER_MAX:
+                self.wake()  # the flusher must run for us to go on
             while self.size > EVAL_BUFFER_MAX and not self.closed:
                 self.drained.wait(0.05)  # back-pressure on a print() loop faster than the socket
         return wake
@@ -480,24 +487,38 @@ class CaptureStream:
     """sys.stdout / sys.stderr replacement: text goes to the eval running now
     (the main thread's, or any thread's while an eval runs), else the console."""
 
-    def __init__(self, agent, name, fallback):
+    def __init__(self, agent, name):
         self._agent = agent
         self._name = name
-        self._fallback = fallback
-        self.encoding = getattr(fallback, 'encoding', 'utf-8') or 'utf-8'
+        self.encoding = getattr(self._fallback, 'encoding', 'utf-8') or 'utf-8'
         self.errors = 'replace'
+
+    @property
+    def _fallback(self):
+        return sys.__stdout__ if self._name == 'stdout' else sys.__stderr__
 
     def write(self, text):
         if not isinstance(text, str):
             raise TypeError('write() argument must be str, not %s' % type(text).__name__)
-        sink = self._agent.output_sink
+        agent = self._agent
+        sink = agent.output_sink
         if sink is None:
             try:
                 return self._fallback.write(text)
             except Exception:
                 return len(text)
+        cap = agent.fd_capture
+        if cap is not None:
+            # What a subprocess wrote before this print comes first. Looking costs
+            # a system call (~1 us, as much as a print), so a print right after
+            # another (a loop) does not: a process spawned and waited for in
+            # between takes far longer than FD_LOOK_AFTER_NS.
+            now = time.monotonic_ns()
+            if now - cap.last_write > FD_LOOK_AFTER_NS:
+                cap.drain()
+            cap.last_write = now
         if sink.write(self._name, text):
-            self._agent.flush_wakeup.set()
+            agent.flush_wakeup.set()
         return len(text)
 
     def writelines(self, lines):
@@ -517,7 +538,7 @@ class CaptureStream:
         return False
 
     def fileno(self):
-        return self._fallback.fileno()
+        return 1 if self._name == 'stdout' else 2  # subprocess.run(..., stdout=sys.stdout): captured too
 
     def writable(self):
         return True
@@ -528,6 +549,130 @@ class CaptureStream:
     @property
     def closed(self):
         return False
+
+
+class Console:
+    """The files fds 1 and 2 were when the agent started (the console; the
+    host's pipe for the process engine), kept as other fds: the agent's log
+    and output outside evals go there (sys.__stdout__ and sys.__stderr__
+    write there), while fds 1 and 2 are pipes of an FdCapture. Forks and
+    branches inherit it as it is."""
+
+    def __init__(self):
+        self.fds = {}  # stream name -> fd
+        files = []
+        for name, target, like in (('stdout', 1, sys.__stdout__), ('stderr', 2, sys.__stderr__)):
+            fd = os.dup(target)  # close-on-exec: subprocesses get fds 1 and 2 only
+            self.fds[name] = fd
+            try:
+                like.flush()
+            except Exception:  # noqa: BLE001 - a closed or broken console
+                pass
+            files.append(open(fd, 'w', buffering=1, closefd=False, errors='backslashreplace',
+                              encoding=getattr(like, 'encoding', None) or 'utf-8'))
+        self.started_with = (sys.__stdout__, sys.__stderr__)  # fds 1 and 2 themselves (closefd=False)
+        sys.__stdout__, sys.__stderr__ = files
+
+
+class FdCapture:
+    """Output written to fds 1 and 2, not through sys.stdout: subprocesses,
+    os.system, C code. While it is installed both are pipes of its own; what
+    comes through them goes to the eval running now, else to the console.
+    One per process: the agent makes one at start, read by a thread of its
+    own; a fork or branch releases its parent's (release(): fds 1 and 2 are
+    the console again) and makes its own, read by its service thread
+    (reader=False, see forkling_zygote._service)."""
+
+    def __init__(self, agent, reader=True):
+        self.agent = agent
+        self.pid = os.getpid()
+        self.lock = threading.Lock()  # held while reading and delivering
+        self.streams = {}  # read fd -> stream name
+        self.keys = {}  # (device, inode) of each pipe -> 1 or 2 (kept after release(): forkling_inherit)
+        self.decoders = {}  # stream name -> utf-8 decoder, made at its first output
+        self.last_write = 0  # time.monotonic_ns() of the last print (CaptureStream.write)
+        try:
+            for name, target in (('stdout', 1), ('stderr', 2)):
+                r, w = os.pipe()
+                self.streams[r] = name
+                st = os.fstat(r)
+                self.keys[(st.st_dev, st.st_ino)] = target
+                try:
+                    os.set_blocking(r, False)
+                    os.dup2(w, target)  # inheritable, as fds 1 and 2 must be
+                finally:
+                    os.close(w)
+        except OSError:
+            self.release()
+            raise
+        self.ready = select.poll()  # drain()'s, under the lock
+        for r in self.streams:
+            self.ready.register(r, select.POLLIN)
+        if reader:
+            _thread.start_new_thread(self._loop, ())
+
+    def _loop(self):
+        poller = select.poll()
+        for r in self.streams:
+            poller.register(r, select.POLLIN)
+        while True:
+            try:
+                poller.poll()
+            except OSError:
+                return
+            self.drain()
+
+    def drain(self):
+        """Delivers what is in the pipes now, each piece where output goes now:
+        the reader does when they have some, a print() first (what a
+        subprocess wrote before it comes before it), an eval at its end (what
+        its subprocesses wrote is its output). Under the lock, so a piece the
+        reader has taken is delivered before anyone goes on."""
+        agent = self.agent
+        with self.lock:
+            if not self.ready.poll(0):
+                return
+            for r, name in self.streams.items():
+                while True:
+                    try:
+                        data = os.read(r, OUTPUT_READ)
+                    except OSError:  # empty (EAGAIN)
+                        break
+                    if not data:
+                        break
+                    sink = agent.output_sink
+                    if sink is None:
+                        _write_all(agent.console.fds[name], data)
+                        continue
+                    decoder = self.decoders.get(name)
+                    if decoder is None:
+                        decoder = self.decoders[name] = codecs.getincrementaldecoder('utf-8')('replace')
+                    text = decoder.decode(data)
+                    if text and sink.write(name, text):
+                        agent.flush_wakeup.set()
+
+    def release(self):
+        """Fds 1 and 2 are the console again; the pipes are closed here (in a
+        fork's copy: the parent's go on in the parent)."""
+        for name, target in (('stdout', 1), ('stderr', 2)):
+            try:
+                os.dup2(self.agent.console.fds[name], target)
+            except OSError:
+                pass
+        for r in self.streams:
+            try:
+                os.close(r)
+            except OSError:
+                pass
+        self.streams = {}
+
+
+def _write_all(fd, data):
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError:
+        pass  # the console is gone: drop it
 
 
 class EvalJob:
@@ -836,11 +981,18 @@ class Agent:
         self.stopping = False
         self.random_fd = None
         self.capture = (sys.stdout, sys.stderr)  # CaptureStreams once install_io() ran
+        self.console = None  # Console, once install_io() ran
+        self.fd_capture = None  # FdCapture, once install_io() ran (in a fork: once it is set up)
 
     # -- start
     def install_io(self):
-        self.capture = (CaptureStream(self, 'stdout', sys.__stdout__), CaptureStream(self, 'stderr', sys.__stderr__))
+        self.capture = (CaptureStream(self, 'stdout'), CaptureStream(self, 'stderr'))
         sys.stdout, sys.stderr = self.capture
+        try:
+            self.console = Console()
+            self.fd_capture = FdCapture(self)
+        except OSError as e:  # no fds 1 and 2, or out of fds
+            log('output of subprocesses in evals is not captured: %s' % e)
         try:
             sys.stdin = open(os.devnull)  # input() in an eval gets EOF, never blocks on the console
         except OSError:
@@ -1011,7 +1163,8 @@ class Agent:
         ns = self.contexts.get(job.context)
         if ns is None:
             ns = self.contexts[job.context] = new_namespace()
-        sink = EvalOutput(job.conn, job.id)
+        cap = self.fd_capture
+        sink = EvalOutput(job.conn, job.id, self.flush_wakeup.set)
         self.output_sink = sink
         self.cell_seq += 1
         filename = '<cell-%d>' % self.cell_seq
@@ -1029,6 +1182,8 @@ class Agent:
         with self.eval_lock:
             job.state = 'done'
             self.interrupt_for = None
+        if cap is not None:
+            cap.drain()  # what the eval's subprocesses wrote before it ended is its output
         self.output_sink = None
         sink.close()
         if signal.getsignal(signal.SIGINT) != self._on_sigint:

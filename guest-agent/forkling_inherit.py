@@ -47,6 +47,9 @@ What becomes what:
                                                       registrations (on the
                                                       child's fds)
 
+  another fd of the parent's eval output pipes     the same of the child's
+  (fds 1 and 2 while it runs evals)                   (outputs_to_own)
+
 Left shared (see host/engine/process/README.md): fds 0-2 and other fds of
 the same pipes (the host's console), other sockets (a connection or a
 listener has no copy to make), datagram and seqpacket pairs (their queued
@@ -78,9 +81,12 @@ _DELETED = ' (deleted)'
 _EVENTFD, _EPOLL = 'anon_inode:[eventfd]', 'anon_inode:[eventpoll]'
 
 
-def inherited(own):
+def inherited(own, outputs):
     """What a child must copy, or None when nothing (the usual case: a child
-    then does nothing). `own`: the agent's fds, left alone. Each entry keeps
+    then does nothing). `own`: the agent's fds, left alone. `outputs`:
+    {(device, inode): 1 or 2} of the parent's eval output pipes (fds 1 and 2
+    while it ran evals): other fds of them become the child's own fd 1 or 2
+    (outputs_to_own()). Each entry keeps
     the (device, inode) it was taken for: the child checks it still is.
     File systems are told apart by the device of their mount (fdinfo's mount
     id, in mountinfo): overlayfs's stat() reports the device of the layer a
@@ -102,7 +108,7 @@ def inherited(own):
     named, unnamed = [], {}  # unnamed: (dev, ino) -> [fds], one copy each
     unnamed_paths = {}  # what /proc/self/maps calls an unnamed file -> its key
     named_paths = set()
-    pipes, socks, eventfds, epolls = {}, {}, {}, []
+    pipes, socks, eventfds, epolls, outs = {}, {}, {}, [], []
     for name in os.listdir('/proc/self/fd'):
         fd = int(name)
         if fd in own or fd <= 2:
@@ -114,9 +120,11 @@ def inherited(own):
             continue  # the listing's own fd
         key = (st.st_dev, st.st_ino)
         mode = st.st_mode
-        if key in console:
+        if key in outputs:  # (before the console: in a branch, fds 1 and 2 are its source's output pipes)
+            outs.append((fd, key, outputs[key]))
+        elif key in console:
             continue
-        if stat.S_ISFIFO(mode):
+        elif stat.S_ISFIFO(mode):
             pipes.setdefault(key, []).append(fd)
         elif stat.S_ISSOCK(mode):
             socks.setdefault(st.st_ino, []).append(fd)
@@ -147,10 +155,11 @@ def inherited(own):
         shm = bool(os.listdir('/dev/shm'))
     except OSError:
         shm = False
-    if not (named or unnamed or maps or shm or pipes or pairs or eventfds or epolls):
+    if not (named or unnamed or maps or shm or pipes or pairs or eventfds or epolls or outs):
         return None
     return {'named': named, 'unnamed': list(unnamed.items()), 'maps': maps, 'shm': shm,
-            'pipes': list(pipes.items()), 'pairs': pairs, 'eventfds': list(eventfds.values()), 'epolls': epolls}
+            'pipes': list(pipes.items()), 'pairs': pairs, 'eventfds': list(eventfds.values()), 'epolls': epolls,
+            'outputs': outs}
 
 
 def _shared_maps(unnamed, unnamed_paths, named_paths, ours, sb):
@@ -297,6 +306,15 @@ def rehome(plan, log):
     for fd in plan['epolls']:
         if _link(fd) == _EPOLL:
             _guarded([fd], lambda fd=fd: _rehome_epoll(fd), log)
+
+
+def outputs_to_own(plan, log):
+    """In the child, once its fds 1 and 2 are its own eval output pipes:
+    the other fds of its parent's (a warm-up's os.dup(1)) become copies of
+    them (close-on-exec kept), so what goes through them is the child's output."""
+    for fd, key, target in plan['outputs']:
+        if _is(fd, key):
+            _guarded([fd], lambda fd=fd, target=target: os.dup2(target, fd, inheritable=os.get_inheritable(fd)), log)
 
 
 def _is(fd, key):

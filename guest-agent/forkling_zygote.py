@@ -75,6 +75,7 @@ STATE = {
     'server': None,    # zygote: (pid, socket) of its fork server
     'in_server': None,  # in a fork server and its children: the server's end of its socket to the zygote
     'plan': None,      # the children's set-up steps (_setup_plan)
+    'outputs': {},     # the eval output pipes the agent had before _reset_agent (FdCapture.keys)
     # 'inherited', in a fork server only: what its children copy (forkling_inherit), taken once
 }
 # Fork handlers the warm-up registers with os.register_at_fork (see register()).
@@ -390,7 +391,7 @@ def _server_main(agent, sock):
     gc.freeze()  # what this process made goes out of the children's collector's way too
     # Once, after the collection (whose finalizers may close files): one thread, no user code.
     # The warm-up's at-fork handlers may still change fds: each child checks every entry.
-    STATE['inherited'] = forkling_inherit.inherited(_own_fds())
+    STATE['inherited'] = forkling_inherit.inherited(_own_fds(agent), STATE['outputs'])
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)
     while True:
@@ -592,9 +593,10 @@ def _child_main(agent, ch, sockdir, r, w, branch, inherited):
     try:
         os.close(r)
         if branch:  # here, in the copy, before its own namespaces: exactly what it has, whatever the source's threads did since
-            inherited = forkling_inherit.inherited(_own_fds() | {w})
+            cap = getattr(agent, 'fd_capture', None)
+            inherited = forkling_inherit.inherited(_own_fds(agent) | {w}, cap.keys if cap is not None else {})
         _setup_child(ch, sockdir, branch, inherited)
-        _rebuild_agent(agent, ch, reset=server_sock is None)
+        _rebuild_agent(agent, ch, reset=server_sock is None, inherited=inherited)
         _listen(agent, RUN + '/agent.sock')
         os.write(w, b'ok')
         os.close(w)
@@ -609,11 +611,19 @@ def _child_main(agent, ch, sockdir, r, w, branch, inherited):
         os._exit(0)
 
 
-def _own_fds():
-    """The agent's fds that a child must not copy (forkling_inherit): STATE's, and the fork server's socket."""
+def _own_fds(agent):
+    """The agent's fds that a child must not copy (forkling_inherit): STATE's,
+    the fork server's socket, the console and the eval output pipes (which
+    the child releases)."""
     own = {v for k, v in STATE.items() if k.endswith('_fd') and isinstance(v, int)}
     if STATE['in_server'] is not None:
         own.add(STATE['in_server'].fileno())
+    console = getattr(agent, 'console', None)
+    if console is not None:
+        own |= set(console.fds.values())
+    cap = getattr(agent, 'fd_capture', None)
+    if cap is not None:
+        own |= set(cap.streams)
     return own
 
 
@@ -763,7 +773,7 @@ def _setup_child(ch, sockdir, branch, inherited):
     os.environ['FORKLING_SANDBOX_ID'] = ch['id']  # (FORKLING_PROCESS_ROLE is sandbox already)
 
 
-def _rebuild_agent(agent, ch, reset):
+def _rebuild_agent(agent, ch, reset, inherited):
     """Readies the agent in the child, which has only this thread; in a
     branch, first drops the parent's sockets and state (a fork server did
     that once for all its children). Its service threads start in _listen
@@ -777,6 +787,14 @@ def _rebuild_agent(agent, ch, reset):
         agent.main_ident = threading.get_ident()
         agent.t0 = time.monotonic()
     agent.sandbox_id = ch['id']
+    if getattr(agent, 'console', None) is not None:  # our own eval output pipes, read by _service
+        try:
+            agent.fd_capture = _agent_mod.FdCapture(agent, reader=False)
+        except OSError as e:
+            _agent_mod.log('output of subprocesses in evals is not captured: %s' % e)
+        else:
+            if inherited is not None:
+                forkling_inherit.outputs_to_own(inherited, _agent_mod.log)
 
 
 def _reset_agent(agent):
@@ -810,6 +828,11 @@ def _reset_agent(agent):
     agent.flush_wakeup = _StartingEvent(agent._flusher)
     agent.watch_wakeup = _StartingEvent(agent._watchdog)
     agent.stopping = False
+    cap = getattr(agent, 'fd_capture', None)
+    if cap is not None:  # the parent's eval output pipes: fds 1 and 2 are the console until ours (_rebuild_agent)
+        cap.release()
+        agent.fd_capture = None
+        STATE['outputs'] = cap.keys  # (for the fork server's forkling_inherit.inherited)
     if agent.random_fd is not None:
         try:
             os.close(agent.random_fd)
@@ -866,12 +889,18 @@ def _service(agent, lsock):
     server = STATE['server_pid_fd']
     if server is not None:
         poller.register(server, select.POLLIN)
+    cap = getattr(agent, 'fd_capture', None)  # fds 1 and 2: read here, no thread of their own
+    for fd in cap.streams if cap is not None else ():
+        poller.register(fd, select.POLLIN)
+    listener = lsock.fileno()
     seen = set()
     while not agent.stopping:
-        events = poller.poll(REAP_INTERVAL_MS)
-        if server is not None and events and events[0][0] == server and len(events) == 1:
+        ready = {fd for fd, _ in poller.poll(REAP_INTERVAL_MS)}
+        if cap is not None and not ready.isdisjoint(cap.streams):
+            cap.drain()
+        if server in ready and listener not in ready:
             os._exit(1)  # the server is gone and the host never came
-        if events:
+        if listener in ready:
             if server is not None:  # the host's first connection: ours for good
                 poller.unregister(server)
                 os.close(server)

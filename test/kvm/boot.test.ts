@@ -62,6 +62,9 @@ test('boots the default image; the agent answers hello, eval and exec over vsock
   assert.is(r.exception, undefined, r.exception?.traceback);
   assert.equal((r.value as unknown[])[0], 3);
   assert.match(String((r.value as unknown[])[1]), /amd64/);
+  // PID 1's fds 1 and 2 are the console; in an eval, pipes the agent reads: a subprocess's output is the eval's
+  const sub = await a.agent.eval('import os\nos.system("echo from a subprocess; echo to stderr >&2")\nNone');
+  assert.equal([sub.stdout, sub.stderr], ['from a subprocess\n', 'to stderr\n']);
   const x = await a.agent.exec('echo hello from $(cat /proc/sys/kernel/hostname); cat /proc/cmdline; ls /dev/hwrng');
   assert.is(x.exitCode, 0, new TextDecoder().decode(x.stderr));
   const out = new TextDecoder().decode(x.stdout);

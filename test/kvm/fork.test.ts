@@ -56,8 +56,10 @@ labTest('the warm-up state is in every child; children are ready after restore',
 labTest('10 children in parallel each answer their own eval', async () => {
   const kids = await fork(10);
   try {
-    const answers = await Promise.all(kids.map((k, i) => k.agent.eval(`${i} * 1000 + 7`)));
+    // (each with a subprocess whose output is that child's eval's: the agent's reader thread was restored with it)
+    const answers = await Promise.all(kids.map((k, i) => k.agent.eval(`os.system("echo child ${i}")\n${i} * 1000 + 7`)));
     assert.equal(answers.map((a) => a.value), kids.map((_, i) => i * 1000 + 7));
+    assert.equal(answers.map((a) => a.stdout), kids.map((_, i) => `child ${i}\n`));
   } finally {
     await Promise.all(kids.map((k) => k.kill()));
   }

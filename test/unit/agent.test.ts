@@ -190,6 +190,40 @@ test('eval: capture survives code that redirects sys.stdout and leaves it so', a
   assert.is(after.stdout, 'seen\n');
 });
 
+test('eval: what subprocesses, os.system and C code write to fds 1 and 2 is the eval\'s output, in order', async () => {
+  const r = await c.eval(
+    'import os, subprocess, sys, ctypes\nprint("a")\nos.system("echo b; echo B >&2")\nprint("c")\nsubprocess.run(["sh", "-c", "echo d"])\nprint("e")\nos.write(2, b"F\\n")\nctypes.CDLL(None).puts(b"g")\nctypes.CDLL(None).fflush(None)\n1',
+  );
+  assert.is(r.value, 1);
+  // What subprocesses wrote comes in order with the prints around them (a write
+  // to fd 1 right before a print, within 50 us, may come after it).
+  assert.is(r.stdout, 'a\nb\nc\nd\ne\ng\n');
+  assert.is(r.stderr, 'B\nF\n');
+  // A subprocess that writes more than a pipe holds while the eval waits for it (a reader drains the pipe).
+  const big = await c.eval('import subprocess\nsubprocess.run("yes 0123456789abcdef | head -c 3000000", shell=True).returncode');
+  assert.is(big.value, 0);
+  assert.is(big.stdout.length, 3_000_000);
+  assert.is(big.stdout.slice(0, 34), '0123456789abcdef\n0123456789abcdef\n');
+  // Undecodable bytes become U+FFFD; a character split across two writes stays whole.
+  const bin = await c.eval('import os, time\nos.write(1, b"\\xff\\xe2\\x82")\ntime.sleep(0.05)\nos.write(1, b"\\xac\\n")\nNone');
+  assert.is(bin.stdout, '\ufffd\u20ac\n');
+  // The reader thread may hold a piece it took from the pipe when the eval ends: the eval waits for it.
+  const outs = await Promise.all(Array.from({ length: 40 }, (_, i) => c.eval(`os.system("echo ${i}")\nNone`)));
+  assert.equal(outs.map((o) => o.stdout), outs.map((_, i) => `${i}\n`));
+  // sys.stdout handed to a subprocess is fd 1 (subprocess calls fileno()): captured too.
+  assert.is((await c.eval('import subprocess, sys\nsubprocess.run(["echo", "via fileno"], stdout=sys.stdout)\nNone')).stdout, 'via fileno\n');
+  // The agent's own fds 1 and 2 are unchanged for the next eval, and exec is unaffected.
+  assert.is((await c.eval('import os\nos.system("echo again")')).stdout, 'again\n');
+  const ex = await c.exec(['sh', '-c', 'echo out; echo err >&2']);
+  assert.is(text(ex.stdout), 'out\n');
+});
+
+test('eval: one print larger than the output buffer (8 MiB) after a quiet spell is sent whole', async () => {
+  const r = await c.eval('import time\ntime.sleep(0.1)\nprint("y" * (9 << 20), end="")\n2');
+  assert.is(r.value, 2);
+  assert.is(r.stdout.length, 9 << 20);
+});
+
 test('eval: SystemExit and _thread.exit() do not end the agent', async () => {
   assert.is((await c.eval('import sys\nsys.exit(3)')).exception?.type, 'SystemExit');
   assert.is((await c.eval('import _thread\n_thread.exit()')).exception?.type, 'SystemExit');

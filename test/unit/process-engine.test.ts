@@ -126,6 +126,29 @@ test("a child's service threads: streamed eval output, an eval timeout, a second
   }
 });
 
+test("what a sandbox's subprocesses write to fds 1 and 2 is its own eval's output: forks, siblings and branches", async () => {
+  const [a, b] = await engine.fork(TEMPLATE, 2);
+  try {
+    assert.is((await a!.agent.eval('import os, subprocess, time\nos.system("echo a-out; echo a-err >&2")')).stdout, 'a-out\n');
+    // b's output while a's eval runs is b's; a's is a's
+    const slow = a!.agent.eval('time.sleep(0.5)\nos.system("echo a-late")\nNone');
+    const rb = await b!.agent.eval('import subprocess\nsubprocess.run(["sh", "-c", "echo b-out"])\nNone');
+    assert.is(rb.stdout, 'b-out\n');
+    assert.is((await slow).stdout, 'a-late\n');
+    // a branch has pipes of its own (it is a copy of a, whose fds 1 and 2 were a's pipes)
+    const [br] = await engine.branch(a!, 1);
+    try {
+      const during = a!.agent.eval('time.sleep(0.5)\nprint("a-end")');
+      assert.is((await br!.agent.eval('os.system("echo br-out")\nNone')).stdout, 'br-out\n');
+      assert.is((await during).stdout, 'a-end\n');
+    } finally {
+      await br!.kill();
+    }
+  } finally {
+    await Promise.all([a!.kill(), b!.kill()]);
+  }
+});
+
 test('10 children in parallel each answer their own eval', async () => {
   const kids = await engine.fork(TEMPLATE, 10);
   assert.is(new Set(kids.map((k) => k.id)).size, 10);
@@ -266,22 +289,22 @@ test("pipes, socket pairs, eventfds, asyncio's epoll and a template's subprocess
     'sa, sb = socket.socketpair(); sa.sendall(b"pair")',
     'cat = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)',
     'def registered(): return open("/proc/self/fdinfo/%d" % loop._selector.fileno()).read().count("tfd:")',
-    'out = os.dup(1)  # another fd of the host\'s console pipe: left as it is',
+    'out = os.dup(1)  # another fd of the eval output pipe (fd 1 while an eval runs): each child\'s own',
   ], async (name, kids) => {
     const [a, b] = await engine.fork(name, 2);
     kids.push(a!, b!);
     const before = await val(b!.agent, 'registered()');
     // A: writes into every one of them, and registers one more fd with its loop
-    const wrote = await val(
-      a!.agent,
+    const wrote = await a!.agent.eval(
       [
         'os.write(pw, b"+a"); os.eventfd_write(ev, 10); sb.sendall(b"+a")',
         'x, y = socket.socketpair(); loop.add_reader(x.fileno(), lambda: None)',
         'try:\n    cat.stdin.write(b"from a\\n"); cat.stdin.flush(); piped = "written"\nexcept BrokenPipeError:\n    piped = "EPIPE"',
-        '(registered(), piped, os.write(out, b"to the console\\n"))',
+        '(registered(), piped, os.write(out, b"to its output\\n"))',
       ].join('\n'),
     );
-    assert.equal(wrote, [Number(before) + 1, 'EPIPE', 15], "the template's cat is not in the child: its stdin refuses writes");
+    assert.equal(wrote.value, [Number(before) + 1, 'EPIPE', 14], "the template's cat is not in the child: its stdin refuses writes");
+    assert.is(wrote.stdout, 'to its output\n', "the warm-up's dup of fd 1 writes the child's eval output");
     // B sees what the warm-up left, none of A's
     const seen = await val(
       b!.agent,
@@ -300,6 +323,10 @@ test("pipes, socket pairs, eventfds, asyncio's epoll and a template's subprocess
     kids.push(br!);
     await val(br!.agent, 'os.write(qw, b"+br"); 1');
     assert.equal(await val(br!.agent, 'os.read(qr, 100)'), Buffer.from('src+br'));
+    // the source's dup of its fd 1 is the branch's own output in the branch, while the source runs an eval
+    const during = a!.agent.eval('import time\ntime.sleep(0.3)\nos.write(out, b"a\\n")\nNone');
+    assert.is((await br!.agent.eval('os.write(out, b"br\\n")\nNone')).stdout, 'br\n');
+    assert.is((await during).stdout, 'a\n');
     assert.equal(await val(a!.agent, 'os.read(qr, 100)'), Buffer.from('src'));
   });
 });
