@@ -22,6 +22,7 @@ import _thread
 import ast
 import codecs
 import errno
+import faulthandler
 import fcntl
 import json
 import linecache
@@ -501,22 +502,27 @@ class CaptureStream:
         if not isinstance(text, str):
             raise TypeError('write() argument must be str, not %s' % type(text).__name__)
         agent = self._agent
+        cap = agent.fd_capture
+        if cap is not None and cap.copied:
+            # A process an eval forked (multiprocessing's workers): fds 1 and 2
+            # are the agent's pipes, which the agent reads into that eval.
+            _write_all(1 if self._name == 'stdout' else 2, text.encode('utf-8', 'replace'))
+            return len(text)
         sink = agent.output_sink
         if sink is None:
             try:
                 return self._fallback.write(text)
             except Exception:
                 return len(text)
-        cap = agent.fd_capture
         if cap is not None:
             # What a subprocess wrote before this print comes first. Looking costs
             # a system call (~1 us, as much as a print), so a print right after
             # another (a loop) does not: a process spawned and waited for in
             # between takes far longer than FD_LOOK_AFTER_NS.
             now = time.monotonic_ns()
-            if now - cap.last_write > FD_LOOK_AFTER_NS:
+            last, cap.last_write = cap.last_write, now
+            if now - last > FD_LOOK_AFTER_NS:
                 cap.drain()
-            cap.last_write = now
         if sink.write(self._name, text):
             agent.flush_wakeup.set()
         return len(text)
@@ -538,6 +544,8 @@ class CaptureStream:
         return False
 
     def fileno(self):
+        if self._agent.fd_capture is None:
+            return self._fallback.fileno()
         return 1 if self._name == 'stdout' else 2  # subprocess.run(..., stdout=sys.stdout): captured too
 
     def writable(self):
@@ -553,25 +561,30 @@ class CaptureStream:
 
 class Console:
     """The files fds 1 and 2 were when the agent started (the console; the
-    host's pipe for the process engine), kept as other fds: the agent's log
-    and output outside evals go there (sys.__stdout__ and sys.__stderr__
-    write there), while fds 1 and 2 are pipes of an FdCapture. Forks and
-    branches inherit it as it is."""
+    host's pipe for the process engine), kept as fds of their own (3 or
+    above): the agent's log and output outside evals go there
+    (sys.__stdout__ and sys.__stderr__ write there, and faulthandler's
+    report of a crash), while fds 1 and 2 are pipes of an FdCapture. Forks
+    and branches inherit it as it is."""
 
     def __init__(self):
+        for fd in (0, 1, 2):  # a missing one is /dev/null: the dups below must not take its number
+            try:
+                os.fstat(fd)
+            except OSError:
+                os.open(os.devnull, os.O_RDWR)  # (the lowest free number: this one)
         self.fds = {}  # stream name -> fd
         files = []
         for name, target, like in (('stdout', 1, sys.__stdout__), ('stderr', 2, sys.__stderr__)):
-            fd = os.dup(target)  # close-on-exec: subprocesses get fds 1 and 2 only
-            self.fds[name] = fd
+            fd = self.fds[name] = fcntl.fcntl(target, fcntl.F_DUPFD_CLOEXEC, 3)  # subprocesses get 1 and 2 only
             try:
                 like.flush()
-            except Exception:  # noqa: BLE001 - a closed or broken console
+            except Exception:  # noqa: BLE001 - a closed or broken console, or none
                 pass
             files.append(open(fd, 'w', buffering=1, closefd=False, errors='backslashreplace',
                               encoding=getattr(like, 'encoding', None) or 'utf-8'))
-        self.started_with = (sys.__stdout__, sys.__stderr__)  # fds 1 and 2 themselves (closefd=False)
         sys.__stdout__, sys.__stderr__ = files
+        faulthandler.enable(files[1])  # a crash's traceback on the console, not in a pipe that dies with us
 
 
 class FdCapture:
@@ -580,36 +593,43 @@ class FdCapture:
     comes through them goes to the eval running now, else to the console.
     One per process: the agent makes one at start, read by a thread of its
     own; a fork or branch releases its parent's (release(): fds 1 and 2 are
-    the console again) and makes its own, read by its service thread
-    (reader=False, see forkling_zygote._service)."""
+    the console again) and opens its own (open()), read by its service
+    thread (see forkling_zygote._service). A process an eval forks
+    (copied: True) writes its prints to fds 1 and 2, its parent's pipes."""
 
     def __init__(self, agent, reader=True):
         self.agent = agent
-        self.pid = os.getpid()
-        self.lock = threading.Lock()  # held while reading and delivering
+        self.copied = False  # set in a copy made by os.fork() (an at-fork handler)
+        # An RLock: a signal handler or finalizer that prints while this thread drains drains again.
+        self.lock = threading.RLock()
         self.streams = {}  # read fd -> stream name
-        self.keys = {}  # (device, inode) of each pipe -> 1 or 2 (kept after release(): forkling_inherit)
+        self.writers = []  # our own fds of the write ends: the pipes never read EOF nor POLLHUP
+        self.keys = {}  # (device, inode) of each pipe -> 1 or 2 (forkling_inherit)
         self.decoders = {}  # stream name -> utf-8 decoder, made at its first output
         self.last_write = 0  # time.monotonic_ns() of the last print (CaptureStream.write)
+        self.ready = select.poll()  # drain()'s, under the lock
+        self.open()
+        if reader:
+            _thread.start_new_thread(self._loop, ())
+
+    def open(self):
+        """Makes the pipes fds 1 and 2 (again, in a fork, after release(): in
+        the same objects, made once in the fork server, so a fork copies few
+        pages for them; it has just one thread, so no lock can be held)."""
         try:
             for name, target in (('stdout', 1), ('stderr', 2)):
                 r, w = os.pipe()
                 self.streams[r] = name
+                self.writers.append(w)
                 st = os.fstat(r)
                 self.keys[(st.st_dev, st.st_ino)] = target
-                try:
-                    os.set_blocking(r, False)
-                    os.dup2(w, target)  # inheritable, as fds 1 and 2 must be
-                finally:
-                    os.close(w)
+                os.set_blocking(r, False)
+                os.dup2(w, target)  # inheritable, as fds 1 and 2 must be
+                self.ready.register(r, select.POLLIN)
         except OSError:
             self.release()
             raise
-        self.ready = select.poll()  # drain()'s, under the lock
-        for r in self.streams:
-            self.ready.register(r, select.POLLIN)
-        if reader:
-            _thread.start_new_thread(self._loop, ())
+        self.copied = False
 
     def _loop(self):
         poller = select.poll()
@@ -617,32 +637,51 @@ class FdCapture:
             poller.register(r, select.POLLIN)
         while True:
             try:
-                poller.poll()
+                events = poller.poll()
             except OSError:
                 return
+            if any(ev & select.POLLNVAL for _, ev in events):
+                log('eval output: a pipe of fds 1 and 2 was closed under the agent; not read any more')
+                return
+            self.drain_logged()
+
+    def drain_logged(self):
+        """drain(), for a reader: an error (out of memory) is logged, and the reader goes on."""
+        try:
             self.drain()
+        except Exception as e:  # noqa: BLE001 - MemoryError, or a broken sink
+            log('eval output: %s' % e)
+            time.sleep(0.05)
 
     def drain(self):
-        """Delivers what is in the pipes now, each piece where output goes now:
+        """Delivers what the pipes hold now, each piece where output goes now:
         the reader does when they have some, a print() first (what a
         subprocess wrote before it comes before it), an eval at its end (what
         its subprocesses wrote is its output). Under the lock, so a piece the
-        reader has taken is delivered before anyone goes on."""
+        reader has taken is delivered before anyone goes on; at most what was
+        queued when it began, so a process that keeps writing cannot keep
+        it here. Console output is written after the lock is let go."""
         agent = self.agent
+        console = []
         with self.lock:
             if not self.ready.poll(0):
                 return
             for r, name in self.streams.items():
-                while True:
+                try:
+                    left = struct.unpack('i', fcntl.ioctl(r, _FIONREAD, b'\0\0\0\0'))[0]
+                except OSError:
+                    continue
+                while left > 0:
                     try:
-                        data = os.read(r, OUTPUT_READ)
+                        data = os.read(r, min(left, OUTPUT_READ))
                     except OSError:  # empty (EAGAIN)
                         break
                     if not data:
                         break
+                    left -= len(data)
                     sink = agent.output_sink
                     if sink is None:
-                        _write_all(agent.console.fds[name], data)
+                        console.append((name, data))
                         continue
                     decoder = self.decoders.get(name)
                     if decoder is None:
@@ -650,21 +689,45 @@ class FdCapture:
                     text = decoder.decode(data)
                     if text and sink.write(name, text):
                         agent.flush_wakeup.set()
+        for name, data in console:
+            _write_all(agent.console.fds[name], data)
+
+    def finish(self, sink):
+        """At an eval's end, under the lock: the rest of a character split at the end goes to it too."""
+        for name, decoder in self.decoders.items():
+            tail = decoder.decode(b'', True)
+            if tail:
+                sink.write(name, tail)
+        self.decoders = {}
 
     def release(self):
         """Fds 1 and 2 are the console again; the pipes are closed here (in a
-        fork's copy: the parent's go on in the parent)."""
+        fork's copy: the parent's go on in the parent). open() makes new ones."""
         for name, target in (('stdout', 1), ('stderr', 2)):
             try:
                 os.dup2(self.agent.console.fds[name], target)
             except OSError:
                 pass
-        for r in self.streams:
+        for fd in list(self.streams) + self.writers:
             try:
-                os.close(r)
+                os.close(fd)
             except OSError:
                 pass
-        self.streams = {}
+        for fd in self.streams:
+            self.ready.unregister(fd)
+        self.streams.clear()
+        self.writers.clear()
+        self.keys.clear()
+        self.decoders.clear()
+
+    def own_fds(self):
+        return set(self.streams) | set(self.writers)
+
+
+_FIONREAD = 0x541B
+# os.register_at_fork as it is before the process engine's hook wraps it for the warm-up
+# (the fork server need not run the agent's own handler in every fork: each makes a new FdCapture).
+_register_at_fork = os.register_at_fork
 
 
 def _write_all(fd, data):
@@ -991,8 +1054,9 @@ class Agent:
         try:
             self.console = Console()
             self.fd_capture = FdCapture(self)
-        except OSError as e:  # no fds 1 and 2, or out of fds
+        except OSError as e:  # out of fds
             log('output of subprocesses in evals is not captured: %s' % e)
+        _register_at_fork(after_in_child=self._forked)
         try:
             sys.stdin = open(os.devnull)  # input() in an eval gets EOF, never blocks on the console
         except OSError:
@@ -1000,6 +1064,11 @@ class Agent:
         signal.signal(signal.SIGINT, self._on_sigint)
         run_thread(self._flusher, name='eval-flusher')
         run_thread(self._watchdog, name='eval-watchdog')
+
+    def _forked(self):
+        cap = self.fd_capture
+        if cap is not None:
+            cap.copied = True  # its reader is the parent's thread; the process engine makes a new one
 
     def listen_unix(self, path):
         try:
@@ -1183,7 +1252,10 @@ class Agent:
             job.state = 'done'
             self.interrupt_for = None
         if cap is not None:
-            cap.drain()  # what the eval's subprocesses wrote before it ended is its output
+            with cap.lock:  # what the eval's subprocesses wrote before it ended is its output
+                cap.drain()
+                cap.finish(sink)
+                self.output_sink = None
         self.output_sink = None
         sink.close()
         if signal.getsignal(signal.SIGINT) != self._on_sigint:

@@ -10,7 +10,8 @@ warm-up would register one child's sockets in its siblings' epoll and steal
 their wake-ups; a subprocess of the template would carry bytes from one
 sandbox to another. A VM copies all of it with its RAM; here:
 
-  inherited(own)  what a child must copy, or None: taken in the fork server
+  inherited(own, outputs, console_fds)
+                  what a child must copy, or None: taken in the fork server
                   once for all its children (one thread, nothing changes its
                   fds), and by a branch child itself right after the fork,
                   before it leaves its source's namespaces (the source's
@@ -50,8 +51,8 @@ What becomes what:
   another fd of the parent's eval output pipes     the same of the child's
   (fds 1 and 2 while it runs evals)                   (outputs_to_own)
 
-Left shared (see host/engine/process/README.md): fds 0-2 and other fds of
-the same pipes (the host's console), other sockets (a connection or a
+Left shared (see host/engine/process/README.md): fd 0 and other fds of the
+host's console (the agent keeps its own: Console in forkling_agent.py), other sockets (a connection or a
 listener has no copy to make), datagram and seqpacket pairs (their queued
 messages cannot be read without taking them), timerfd, signalfd, inotify,
 named files on other mounts (/run, /proc).
@@ -81,12 +82,13 @@ _DELETED = ' (deleted)'
 _EVENTFD, _EPOLL = 'anon_inode:[eventfd]', 'anon_inode:[eventpoll]'
 
 
-def inherited(own, outputs):
+def inherited(own, outputs, console_fds):
     """What a child must copy, or None when nothing (the usual case: a child
     then does nothing). `own`: the agent's fds, left alone. `outputs`:
     {(device, inode): 1 or 2} of the parent's eval output pipes (fds 1 and 2
     while it ran evals): other fds of them become the child's own fd 1 or 2
-    (outputs_to_own()). Each entry keeps
+    (outputs_to_own()). `console_fds`: the agent's fds of the host's console
+    (other fds of it are left shared, as fds 0-2 are). Each entry keeps
     the (device, inode) it was taken for: the child checks it still is.
     File systems are told apart by the device of their mount (fdinfo's mount
     id, in mountinfo): overlayfs's stat() reports the device of the layer a
@@ -98,8 +100,8 @@ def inherited(own, outputs):
             if len(parts) >= 3 and parts[0].isdigit():
                 sb[int(parts[0])] = parts[2]
     ours = {sb.get(_mount_of(path)) for path in ('/', '/dev/shm')} - {None}
-    console = set()  # the host's pipes (fds 0-2), whatever other fds of them the warm-up made
-    for fd in (0, 1, 2):
+    console = set()  # the host's pipes (fds 0-2, the agent's console), whatever other fds of them the warm-up made
+    for fd in (0, 1, 2, *console_fds):
         try:
             st = os.fstat(fd)
             console.add((st.st_dev, st.st_ino))

@@ -391,7 +391,7 @@ def _server_main(agent, sock):
     gc.freeze()  # what this process made goes out of the children's collector's way too
     # Once, after the collection (whose finalizers may close files): one thread, no user code.
     # The warm-up's at-fork handlers may still change fds: each child checks every entry.
-    STATE['inherited'] = forkling_inherit.inherited(_own_fds(agent), STATE['outputs'])
+    STATE['inherited'] = forkling_inherit.inherited(_own_fds(agent), STATE['outputs'], _console_fds(agent))
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)
     while True:
@@ -594,7 +594,8 @@ def _child_main(agent, ch, sockdir, r, w, branch, inherited):
         os.close(r)
         if branch:  # here, in the copy, before its own namespaces: exactly what it has, whatever the source's threads did since
             cap = getattr(agent, 'fd_capture', None)
-            inherited = forkling_inherit.inherited(_own_fds(agent) | {w}, cap.keys if cap is not None else {})
+            inherited = forkling_inherit.inherited(_own_fds(agent) | {w}, cap.keys if cap is not None else {},
+                                                   _console_fds(agent))
         _setup_child(ch, sockdir, branch, inherited)
         _rebuild_agent(agent, ch, reset=server_sock is None, inherited=inherited)
         _listen(agent, RUN + '/agent.sock')
@@ -623,8 +624,14 @@ def _own_fds(agent):
         own |= set(console.fds.values())
     cap = getattr(agent, 'fd_capture', None)
     if cap is not None:
-        own |= set(cap.streams)
+        own |= cap.own_fds()
     return own
+
+
+def _console_fds(agent):
+    """The agent's fds of the console: other fds of it are left shared (forkling_inherit)."""
+    console = getattr(agent, 'console', None)
+    return list(console.fds.values()) if console is not None else []
 
 
 def _close_lifeline():
@@ -787,14 +794,14 @@ def _rebuild_agent(agent, ch, reset, inherited):
         agent.main_ident = threading.get_ident()
         agent.t0 = time.monotonic()
     agent.sandbox_id = ch['id']
-    if getattr(agent, 'console', None) is not None:  # our own eval output pipes, read by _service
+    cap = getattr(agent, 'fd_capture', None)
+    if cap is not None:  # our own eval output pipes, read by _service
         try:
-            agent.fd_capture = _agent_mod.FdCapture(agent, reader=False)
+            cap.open()
         except OSError as e:
             _agent_mod.log('output of subprocesses in evals is not captured: %s' % e)
-        else:
-            if inherited is not None:
-                forkling_inherit.outputs_to_own(inherited, _agent_mod.log)
+        if inherited is not None:  # (to the console if there is no capture: never the parent's pipes)
+            forkling_inherit.outputs_to_own(inherited, _agent_mod.log)
 
 
 def _reset_agent(agent):
@@ -830,9 +837,9 @@ def _reset_agent(agent):
     agent.stopping = False
     cap = getattr(agent, 'fd_capture', None)
     if cap is not None:  # the parent's eval output pipes: fds 1 and 2 are the console until ours (_rebuild_agent)
+        STATE['outputs'] = dict(cap.keys)  # (for the fork server's forkling_inherit.inherited)
         cap.release()
-        agent.fd_capture = None
-        STATE['outputs'] = cap.keys  # (for the fork server's forkling_inherit.inherited)
+        cap.lock = threading.RLock()  # the parent's reader may have held it across the fork
     if agent.random_fd is not None:
         try:
             os.close(agent.random_fd)
@@ -895,9 +902,14 @@ def _service(agent, lsock):
     listener = lsock.fileno()
     seen = set()
     while not agent.stopping:
-        ready = {fd for fd, _ in poller.poll(REAP_INTERVAL_MS)}
+        events = poller.poll(REAP_INTERVAL_MS)
+        ready = {fd for fd, _ in events}
         if cap is not None and not ready.isdisjoint(cap.streams):
-            cap.drain()
+            for fd, ev in events:
+                if ev & select.POLLNVAL and fd in cap.streams:  # closed under the agent: read no more
+                    poller.unregister(fd)
+                    _agent_mod.log('eval output: a pipe of fds 1 and 2 was closed under the agent; not read any more')
+            cap.drain_logged()
         if server in ready and listener not in ready:
             os._exit(1)  # the server is gone and the host never came
         if listener in ready:

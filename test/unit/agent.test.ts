@@ -210,6 +210,17 @@ test('eval: what subprocesses, os.system and C code write to fds 1 and 2 is the 
   // The reader thread may hold a piece it took from the pipe when the eval ends: the eval waits for it.
   const outs = await Promise.all(Array.from({ length: 40 }, (_, i) => c.eval(`os.system("echo ${i}")\nNone`)));
   assert.equal(outs.map((o) => o.stdout), outs.map((_, i) => `${i}\n`));
+  // A character cut off at an eval's end is that eval's (U+FFFD), not the start of the next one's output.
+  assert.is((await c.eval('os.write(1, b"cut \\xe2\\x82")\nNone')).stdout, 'cut \ufffd');
+  assert.is((await c.eval('print("whole")')).stdout, 'whole\n');
+  // A process the eval forks (multiprocessing's workers) prints into the eval too.
+  const forked = await c.eval('pid = os.fork()\nif pid == 0:\n    print("from the fork", flush=True)\n    os._exit(0)\nos.waitpid(pid, 0)[1]');
+  assert.equal([forked.value, forked.stdout], [0, 'from the fork\n']);
+  // A background writer faster than the agent can pass it on does not keep an eval from ending.
+  const flood = await c.eval('yes = subprocess.Popen(["yes"])\ntime.sleep(0.1)\n"started"', { timeoutMs: 20_000 });
+  assert.is(flood.value, 'started');
+  assert.ok(flood.stdout.length > 0 && /^(y\n)*y?$/.test(flood.stdout.slice(0, 100000)), 'the flood so far is its output');
+  assert.is((await c.eval('yes.kill()\nyes.wait()')).value, -9);
   // sys.stdout handed to a subprocess is fd 1 (subprocess calls fileno()): captured too.
   assert.is((await c.eval('import subprocess, sys\nsubprocess.run(["echo", "via fileno"], stdout=sys.stdout)\nNone')).stdout, 'via fileno\n');
   // The agent's own fds 1 and 2 are unchanged for the next eval, and exec is unaffected.
