@@ -53,25 +53,34 @@ export function labProgress(file: string): (line: string) => void {
 }
 
 /** The lab's flakes: what an error says, and what to call it. */
-const FLAKES: { what: string; is: (msg: string) => boolean }[] = [
-  { what: 'a triple fault with no guest output', is: (m) => /triple-fault/.test(m) && /the guest printed nothing/.test(m) },
+const FLAKES = {
+  early: { what: 'a triple fault with no guest output', is: (m: string) => /triple-fault/.test(m) && /the guest printed nothing/.test(m) },
   // A restored child whose agent never answered hello/restore (twice in the lab over ~15 runs of
-  // fork.test, 2026-11; the error has the child's last console lines): for labTest only.
-  { what: 'a restored child that did not answer', is: (m) => /^child \S+: its agent did not answer within/.test(m) },
-];
+  // fork.test, 2026-11; the error has the child's last console lines).
+  stall: { what: 'a restored child that did not answer', is: (m: string) => /^child \S+: its agent did not answer within/.test(m) },
+  // A booted guest that ran fine and then triple-faulted (reboot=k: Linux never resets that way;
+  // boot.test's VM A once, 2026-11-30): what a request in flight then says (vm.ts).
+  running: { what: 'a triple fault of a running guest', is: (m: string) => /^the VM \S+ stopped \(triple-fault/.test(m) },
+};
+export type LabFlake = keyof typeof FLAKES;
 
 /**
- * Runs `fn`; in the lab, retries it after an early triple fault (`stalls`:
- * also after a restored child that did not answer), `attempts` times in all
- * (default 2).
+ * Runs `fn`; in the lab, retries it after one of the flakes in `kinds`
+ * (default: an early triple fault), `attempts` times in all (default 2).
  */
-export async function labRetry<T>(tag: string, fn: () => Promise<T>, log: (line: string) => void = console.error, attempts = 2, stalls = false): Promise<T> {
+export async function labRetry<T>(
+  tag: string,
+  fn: () => Promise<T>,
+  log: (line: string) => void = console.error,
+  attempts = 2,
+  kinds: LabFlake[] = ['early'],
+): Promise<T> {
   for (let attempt = 1; ; attempt++) {
     try {
       return await fn();
     } catch (e) {
       const msg = (e as Error).message;
-      const flake = FLAKES.slice(0, stalls ? 2 : 1).find((f) => f.is(msg));
+      const flake = kinds.map((k) => FLAKES[k]).find((f) => f.is(msg));
       if (attempt >= attempts || !process.env.FORKLING_IN_LAB || !flake) throw e;
       log(`${tag}: LAB FLAKE: ${flake.what}; trying again (${attempt + 1} of ${attempts}) (${msg.split('\n')[0]})`);
       console.log(`LAB FLAKE (${tag}): ${flake.what}; tried again`);
@@ -85,6 +94,6 @@ export async function labRetry<T>(tag: string, fn: () => Promise<T>, log: (line:
  * 2026-11-30), or not answer at all: there the whole test runs again after
  * either, 3 times in all; anywhere else it runs once.
  */
-export function labTest(name: string, fn: () => Promise<void>): void {
-  test(name, () => labRetry(name, fn, console.error, 3, true));
+export function labTest(name: string, fn: () => Promise<void>, kinds: LabFlake[] = ['early', 'stall']): void {
+  test(name, () => labRetry(name, fn, console.error, 3, kinds));
 }
