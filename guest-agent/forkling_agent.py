@@ -532,6 +532,9 @@ class CaptureStream:
             self.write(line)
 
     def flush(self):
+        cap = self._agent.fd_capture
+        if cap is not None and cap.copied:
+            return  # a forked process's prints went out at once (write); the parent's locks are not ours
         if self._agent.output_sink is None:
             try:
                 self._fallback.flush()
@@ -597,7 +600,7 @@ class FdCapture:
     thread (see forkling_zygote._service). A process an eval forks
     (copied: True) writes its prints to fds 1 and 2, its parent's pipes."""
 
-    def __init__(self, agent, reader=True):
+    def __init__(self, agent):
         self.agent = agent
         self.copied = False  # set in a copy made by os.fork() (an at-fork handler)
         # An RLock: a signal handler or finalizer that prints while this thread drains drains again.
@@ -607,15 +610,19 @@ class FdCapture:
         self.keys = {}  # (device, inode) of each pipe -> 1 or 2 (forkling_inherit)
         self.decoders = {}  # stream name -> utf-8 decoder, made at its first output
         self.last_write = 0  # time.monotonic_ns() of the last print (CaptureStream.write)
-        self.ready = select.poll()  # drain()'s, under the lock
+        self.ready = select.poll()  # drain()'s, under the lock (made again by open())
         self.open()
-        if reader:
-            _thread.start_new_thread(self._loop, ())
+        _thread.start_new_thread(self._loop, ())
 
     def open(self):
         """Makes the pipes fds 1 and 2 (again, in a fork, after release(): in
         the same objects, made once in the fork server, so a fork copies few
         pages for them; it has just one thread, so no lock can be held)."""
+        if self.streams:
+            self.release()
+        self.copied = False
+        # A new poll object: one copied by a fork while another thread was in its poll() says so forever.
+        self.ready = select.poll()
         try:
             for name, target in (('stdout', 1), ('stderr', 2)):
                 r, w = os.pipe()
@@ -629,7 +636,6 @@ class FdCapture:
         except OSError:
             self.release()
             raise
-        self.copied = False
 
     def _loop(self):
         poller = select.poll()
@@ -713,8 +719,8 @@ class FdCapture:
                 os.close(fd)
             except OSError:
                 pass
-        for fd in self.streams:
-            self.ready.unregister(fd)
+        self.ready = select.poll()
+        self.copied = False
         self.streams.clear()
         self.writers.clear()
         self.keys.clear()
@@ -726,7 +732,7 @@ class FdCapture:
 
 _FIONREAD = 0x541B
 # os.register_at_fork as it is before the process engine's hook wraps it for the warm-up
-# (the fork server need not run the agent's own handler in every fork: each makes a new FdCapture).
+# (the fork server need not run the agent's own handler in every fork: each opens its own pipes).
 _register_at_fork = os.register_at_fork
 
 
@@ -1251,11 +1257,14 @@ class Agent:
         with self.eval_lock:
             job.state = 'done'
             self.interrupt_for = None
-        if cap is not None:
-            with cap.lock:  # what the eval's subprocesses wrote before it ended is its output
-                cap.drain()
-                cap.finish(sink)
-                self.output_sink = None
+        if cap is not None and not cap.copied:  # (a process the eval forked that fell off its end: not its to take)
+            try:
+                with cap.lock:  # what the eval's subprocesses wrote before it ended is its output
+                    cap.drain()
+                    cap.finish(sink)
+                    self.output_sink = None
+            except BaseException as e:  # noqa: BLE001 - out of memory, an interrupt: the eval still answers
+                log('eval output: %r' % e)
         self.output_sink = None
         sink.close()
         if signal.getsignal(signal.SIGINT) != self._on_sigint:
@@ -1348,6 +1357,58 @@ class Agent:
             except Exception:
                 pass
             os._exit(0)
+
+
+_POOL_FILL = []  # filler blocks of a template (a fork server, a VM template): never freed
+
+
+def fill_pool_holes():
+    """In a template (the process engine's fork server; a VM template, through
+    an eval, see host/engine/kvm/template.ts), last before gc.freeze(): takes
+    every free block of pymalloc's partly used pools, so that what a child
+    allocates comes from pools of its own, packed, rather than from the
+    holes scattered through the template's pools: each hole a child filled
+    cost it a copy of that page (4 KiB for a 16-512 byte object). The sizes
+    and counts are CPython's own (sys._debugmallocstats, on stderr); without
+    pymalloc, or in a format not understood, this does nothing."""
+    avail = _pool_holes()
+    keep = [None] * sum(avail.values())
+    i = 0
+    for size, n in avail.items():
+        for _ in range(n):
+            # a block of `size`: object() is 16 bytes, a float 24, bytes(k) 33 + k
+            keep[i] = object() if size <= 16 else float(i) if size <= 32 else bytes(size - 33)
+            i += 1
+    _POOL_FILL.append(keep)
+
+
+def _pool_holes():
+    """{block size: free blocks in used pools} from sys._debugmallocstats()."""
+    if not hasattr(sys, '_debugmallocstats'):
+        return {}
+    r, w = os.pipe()
+    saved = os.dup(2)
+    try:
+        os.dup2(w, 2)
+        sys._debugmallocstats()  # one screenful: fits in the pipe
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(w)
+    out = []
+    while True:
+        b = os.read(r, 65536)
+        if not b:
+            break
+        out.append(b)
+    os.close(r)
+    avail = {}
+    # "class   size   num pools   blocks in use  avail blocks"
+    for line in b''.join(out).decode('ascii', 'replace').splitlines():
+        f = line.split()
+        if len(f) == 5 and all(x.isdigit() for x in f) and 16 <= int(f[1]) <= 512 and int(f[1]) % 8 == 0:
+            avail[int(f[1])] = int(f[4])
+    return avail
 
 
 # ------------------------------------------------------------------ operations

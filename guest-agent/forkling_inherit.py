@@ -101,7 +101,8 @@ def inherited(own, outputs, console_fds):
                 sb[int(parts[0])] = parts[2]
     ours = {sb.get(_mount_of(path)) for path in ('/', '/dev/shm')} - {None}
     console = set()  # the host's pipes (fds 0-2, the agent's console), whatever other fds of them the warm-up made
-    for fd in (0, 1, 2, *console_fds):
+    # (not fds 1 and 2 themselves when the agent has a console: they may be anything an eval put there)
+    for fd in (0, *console_fds) if console_fds else (0, 1, 2):
         try:
             st = os.fstat(fd)
             console.add((st.st_dev, st.st_ino))

@@ -386,7 +386,7 @@ def _server_main(agent, sock):
     ROLE = 'sandbox'
     STATE['server_pid_fd'] = os.pidfd_open(os.getpid())
     gc.collect()  # (a full collection also empties the free lists of tuples, floats, ...)
-    _fill_pools()
+    _agent_mod.fill_pool_holes()
     _setup_plan()  # in the fresh pools, made once for every child
     gc.freeze()  # what this process made goes out of the children's collector's way too
     # Once, after the collection (whose finalizers may close files): one thread, no user code.
@@ -408,57 +408,6 @@ def _server_main(agent, sock):
         # One thread, unless an at-fork handler of the warm-up started one: then os.fork().
         fork = _fork_child if len(os.listdir('/proc/self/task')) == 1 else os.fork
         _send_msg(sock, _spawn(agent, children, branch=False, fork=fork))
-
-
-_POOL_FILL = []  # the fork server's filler blocks (never freed)
-
-
-def _fill_pools():
-    """Takes every free block of pymalloc's partly used pools, so that what a
-    child allocates comes from pools of its own, packed, rather than from the
-    holes scattered through the template's pools: each hole a child filled
-    cost it a copy of that page (4 KiB for a 16-512 byte object). The sizes
-    and counts are CPython's own (sys._debugmallocstats, on stderr); without
-    pymalloc, or in a format not understood, this does nothing."""
-    avail = _pool_holes()
-    keep = [None] * sum(avail.values())
-    i = 0
-    for size, n in avail.items():
-        for _ in range(n):
-            # a block of `size`: object() is 16 bytes, a float 24, bytes(k) 33 + k
-            keep[i] = object() if size <= 16 else float(i) if size <= 32 else bytes(size - 33)
-            i += 1
-    _POOL_FILL.append(keep)
-
-
-def _pool_holes():
-    """{block size: free blocks in used pools} from sys._debugmallocstats()."""
-    import sys
-    if not hasattr(sys, '_debugmallocstats'):
-        return {}
-    r, w = os.pipe()
-    saved = os.dup(2)
-    try:
-        os.dup2(w, 2)
-        sys._debugmallocstats()  # one screenful: fits in the pipe
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(w)
-    out = []
-    while True:
-        b = os.read(r, 65536)
-        if not b:
-            break
-        out.append(b)
-    os.close(r)
-    avail = {}
-    # "class   size   num pools   blocks in use  avail blocks"
-    for line in b''.join(out).decode('ascii', 'replace').splitlines():
-        f = line.split()
-        if len(f) == 5 and all(x.isdigit() for x in f) and 16 <= int(f[1]) <= 512 and int(f[1]) % 8 == 0:
-            avail[int(f[1])] = int(f[4])
-    return avail
 
 
 def _fork_child():

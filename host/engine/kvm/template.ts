@@ -95,7 +95,8 @@ const REHEARSAL_CONTEXT = 'forkling-rehearsal';
 
 /**
  * Does in the template what every child does first (connect over vsock,
- * hello, restore, an eval, ping), a few times, then freezes the heap: lazy
+ * hello, restore, an eval, ping), a few times, then fills pymalloc's pool
+ * holes and freezes the heap: lazy
  * imports, caches and CPython's specialised bytecode are filled in once here
  * instead of being written, and so copied page by page, in every child, and
  * gc.freeze() keeps the collector in a child from touching every inherited
@@ -113,9 +114,14 @@ async function rehearse(sb: KvmSandbox): Promise<void> {
       c.close();
     }
   }
-  const r = await sb.agent.eval('__import__("gc").collect()\n__import__("gc").freeze()', { context: REHEARSAL_CONTEXT });
-  if (r.exception) throw new Error(`gc.freeze in the template failed: ${r.exception.type}: ${r.exception.message}`);
   await sb.agent.contextDelete(REHEARSAL_CONTEXT);
+  // Last: a collection, the holes of pymalloc's pools filled (the agent's fill_pool_holes: what a
+  // child allocates then comes from pools of its own, not from holes spread over the template's
+  // pages), and the freeze; in the default context, binding no name there.
+  const r = await sb.agent.eval(
+    '__import__("gc").collect()\ngetattr(__import__("sys").modules["__main__"], "fill_pool_holes", lambda: None)()\n__import__("gc").freeze()',
+  );
+  if (r.exception) throw new Error(`gc.freeze in the template failed: ${r.exception.type}: ${r.exception.message}`);
 }
 
 /**
