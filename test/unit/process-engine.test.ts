@@ -135,6 +135,9 @@ test("what a sandbox's subprocesses write to fds 1 and 2 is its own eval's outpu
     const rb = await b!.agent.eval('import subprocess\nsubprocess.run(["sh", "-c", "echo b-out"])\nNone');
     assert.is(rb.stdout, 'b-out\n');
     assert.is((await slow).stdout, 'a-late\n');
+    // multiprocessing's fork workers print into the eval too (through the child's own pipes)
+    const mp = await a!.agent.eval('import multiprocessing\nwith multiprocessing.get_context("fork").Pool(2) as pool:\n    pool.map(print, ["w1", "w2", "w3"])');
+    assert.equal(mp.stdout.split('\n').filter(Boolean).sort(), ['w1', 'w2', 'w3']);
     // a branch has pipes of its own (it is a copy of a, whose fds 1 and 2 were a's pipes)
     const [br] = await engine.branch(a!, 1);
     try {
