@@ -491,6 +491,7 @@ class CaptureStream:
     def __init__(self, agent, name):
         self._agent = agent
         self._name = name
+        self._fd = 1 if name == 'stdout' else 2
         self.encoding = getattr(self._fallback, 'encoding', 'utf-8') or 'utf-8'
         self.errors = 'replace'
 
@@ -506,7 +507,7 @@ class CaptureStream:
         if cap is not None and cap.copied:
             # A process an eval forked (multiprocessing's workers): fds 1 and 2
             # are the agent's pipes, which the agent reads into that eval.
-            _write_all(1 if self._name == 'stdout' else 2, text.encode('utf-8', 'replace'))
+            _write_all(self._fd, text.encode('utf-8', 'replace'))
             return len(text)
         sink = agent.output_sink
         if sink is None:
@@ -549,7 +550,7 @@ class CaptureStream:
     def fileno(self):
         if self._agent.fd_capture is None:
             return self._fallback.fileno()
-        return 1 if self._name == 'stdout' else 2  # subprocess.run(..., stdout=sys.stdout): captured too
+        return self._fd  # subprocess.run(..., stdout=sys.stdout): captured too
 
     def writable(self):
         return True
@@ -607,10 +608,11 @@ class FdCapture:
         self.lock = threading.RLock()
         self.streams = {}  # read fd -> stream name
         self.writers = []  # our own fds of the write ends: the pipes never read EOF nor POLLHUP
-        self.keys = {}  # (device, inode) of each pipe -> 1 or 2 (forkling_inherit)
+        # (device, inode) of each pipe -> 1 or 2, kept by release() until open(): what a fork's
+        # other fds of them are (forkling_inherit)
+        self.keys = {}
         self.decoders = {}  # stream name -> utf-8 decoder, made at its first output
         self.last_write = 0  # time.monotonic_ns() of the last print (CaptureStream.write)
-        self.ready = select.poll()  # drain()'s, under the lock (made again by open())
         self.open()
         _thread.start_new_thread(self._loop, ())
 
@@ -620,8 +622,9 @@ class FdCapture:
         pages for them; it has just one thread, so no lock can be held)."""
         if self.streams:
             self.release()
-        self.copied = False
-        # A new poll object: one copied by a fork while another thread was in its poll() says so forever.
+        self.keys.clear()
+        # drain()'s, under the lock. A new one: one copied by a fork while another thread was in its
+        # poll() says so forever.
         self.ready = select.poll()
         try:
             for name, target in (('stdout', 1), ('stderr', 2)):
@@ -708,7 +711,8 @@ class FdCapture:
 
     def release(self):
         """Fds 1 and 2 are the console again; the pipes are closed here (in a
-        fork's copy: the parent's go on in the parent). open() makes new ones."""
+        fork's copy: the parent's go on in the parent). open() makes new ones;
+        until then `keys` still says what the released pipes were."""
         for name, target in (('stdout', 1), ('stderr', 2)):
             try:
                 os.dup2(self.agent.console.fds[name], target)
@@ -723,7 +727,6 @@ class FdCapture:
         self.copied = False
         self.streams.clear()
         self.writers.clear()
-        self.keys.clear()
         self.decoders.clear()
 
     def own_fds(self):

@@ -75,7 +75,6 @@ STATE = {
     'server': None,    # zygote: (pid, socket) of its fork server
     'in_server': None,  # in a fork server and its children: the server's end of its socket to the zygote
     'plan': None,      # the children's set-up steps (_setup_plan)
-    'outputs': {},     # the eval output pipes the agent had before _reset_agent (FdCapture.keys)
     # 'inherited', in a fork server only: what its children copy (forkling_inherit), taken once
 }
 # Fork handlers the warm-up registers with os.register_at_fork (see register()).
@@ -391,7 +390,7 @@ def _server_main(agent, sock):
     gc.freeze()  # what this process made goes out of the children's collector's way too
     # Once, after the collection (whose finalizers may close files): one thread, no user code.
     # The warm-up's at-fork handlers may still change fds: each child checks every entry.
-    STATE['inherited'] = forkling_inherit.inherited(_own_fds(agent), STATE['outputs'], _console_fds(agent))
+    STATE['inherited'] = forkling_inherit.inherited(_own_fds(agent), _output_keys(agent), _console_fds(agent))
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)
     while True:
@@ -542,9 +541,7 @@ def _child_main(agent, ch, sockdir, r, w, branch, inherited):
     try:
         os.close(r)
         if branch:  # here, in the copy, before its own namespaces: exactly what it has, whatever the source's threads did since
-            cap = getattr(agent, 'fd_capture', None)
-            inherited = forkling_inherit.inherited(_own_fds(agent) | {w}, cap.keys if cap is not None else {},
-                                                   _console_fds(agent))
+            inherited = forkling_inherit.inherited(_own_fds(agent) | {w}, _output_keys(agent), _console_fds(agent))
         _setup_child(ch, sockdir, branch, inherited)
         _rebuild_agent(agent, ch, reset=server_sock is None, inherited=inherited)
         _listen(agent, RUN + '/agent.sock')
@@ -568,13 +565,17 @@ def _own_fds(agent):
     own = {v for k, v in STATE.items() if k.endswith('_fd') and isinstance(v, int)}
     if STATE['in_server'] is not None:
         own.add(STATE['in_server'].fileno())
-    console = getattr(agent, 'console', None)
-    if console is not None:
-        own |= set(console.fds.values())
+    own |= set(_console_fds(agent))
     cap = getattr(agent, 'fd_capture', None)
     if cap is not None:
         own |= cap.own_fds()
     return own
+
+
+def _output_keys(agent):
+    """{(device, inode): 1 or 2} of the agent's eval output pipes, released or not (forkling_inherit)."""
+    cap = getattr(agent, 'fd_capture', None)
+    return dict(cap.keys) if cap is not None else {}
 
 
 def _console_fds(agent):
@@ -786,8 +787,7 @@ def _reset_agent(agent):
     agent.stopping = False
     cap = getattr(agent, 'fd_capture', None)
     if cap is not None:  # the parent's eval output pipes: fds 1 and 2 are the console until ours (_rebuild_agent)
-        STATE['outputs'] = dict(cap.keys)  # (for the fork server's forkling_inherit.inherited)
-        cap.release()
+        cap.release()  # (its keys stay, for the fork server's forkling_inherit.inherited)
         cap.lock = threading.RLock()  # the parent's reader may have held it across the fork
     if agent.random_fd is not None:
         try:
