@@ -31,7 +31,7 @@ const { values } = parseArgs({
 });
 
 /** Runs inside the child: sorts the given frames by what the kernel uses them for now. */
-const CLASSIFY = String.raw`
+const CLASSIFY = `
 import json, struct, sys
 frames = json.loads(sys.stdin.read())
 spans = []

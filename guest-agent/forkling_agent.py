@@ -63,6 +63,7 @@ EVAL_FLUSH_BYTES = 32 << 10  # eval output flushed when this much is buffered...
 EVAL_FLUSH_S = 0.02  # ...or after this long
 EVAL_BUFFER_MAX = 8 << 20  # a print() waits while this much is unsent
 FD_LOOK_AFTER_NS = 50_000  # a print this long after the last one first takes what fds 1 and 2 got (FdCapture)
+FORKED_BUFFER_CHARS = 8192  # a forked process's text with no newline is written once this much waits (or at flush/exit)
 REPR_MAX = 256 << 10
 TRACEBACK_MAX = 1 << 20
 SEND_TIMEOUT_S = 60  # a send blocked this long (client not reading) closes the connection
@@ -494,6 +495,14 @@ class CaptureStream:
         self._fd = 1 if name == 'stdout' else 2
         self.encoding = getattr(self._fallback, 'encoding', 'utf-8') or 'utf-8'
         self.errors = 'replace'
+        self.forked()
+
+    def forked(self):
+        """In a process os.fork() made: text not yet written is its own (none,
+        or its parent's unfinished line, which the parent writes)."""
+        self._forked_lock = threading.Lock()
+        self._forked_pending = []
+        self._forked_chars = 0
 
     @property
     def _fallback(self):
@@ -506,8 +515,19 @@ class CaptureStream:
         cap = agent.fd_capture
         if cap is not None and cap.copied:
             # A process an eval forked (multiprocessing's workers): fds 1 and 2
-            # are the agent's pipes, which the agent reads into that eval.
-            _write_all(self._fd, text.encode('utf-8', 'replace'))
+            # are the agent's pipes, which the agent reads into that eval. Whole
+            # lines per write, as a terminal's Python does: print() writes the
+            # text and its newline apart, and lines of concurrent workers (up to
+            # PIPE_BUF) must not mix.
+            with self._forked_lock:
+                self._forked_pending.append(text)
+                self._forked_chars += len(text)
+                if '\n' in text or self._forked_chars >= FORKED_BUFFER_CHARS:
+                    data = ''.join(self._forked_pending)
+                    cut = data.rfind('\n') + 1 or len(data)
+                    rest = data[cut:]
+                    self._forked_pending, self._forked_chars = ([rest] if rest else []), len(rest)
+                    _write_all(self._fd, data[:cut].encode('utf-8', 'replace'))
             return len(text)
         sink = agent.output_sink
         if sink is None:
@@ -535,7 +555,11 @@ class CaptureStream:
     def flush(self):
         cap = self._agent.fd_capture
         if cap is not None and cap.copied:
-            return  # a forked process's prints went out at once (write); the parent's locks are not ours
+            # a forked process (its exit flushes): the parent's locks are not ours
+            with self._forked_lock:
+                data, self._forked_pending, self._forked_chars = ''.join(self._forked_pending), [], 0
+                _write_all(self._fd, data.encode('utf-8', 'replace'))
+            return
         if self._agent.output_sink is None:
             try:
                 self._fallback.flush()
@@ -1078,6 +1102,8 @@ class Agent:
         cap = self.fd_capture
         if cap is not None:
             cap.copied = True  # its reader is the parent's thread; the process engine makes a new one
+        for stream in self.capture:
+            stream.forked()
 
     def listen_unix(self, path):
         try:

@@ -14,13 +14,18 @@ export interface LabOutcome {
 }
 
 const SUMMARY_RE = /^(\d+) passed, (\d+) failed$/;
+const KERNEL_LOG_RE = /^\[\s*\d+\.\d+\] /;
+const SOFT_LOCKUP_RE = /^\[\s*\d+\.\d+\] watchdog: BUG: soft lockup - CPU#\d+ stuck for (\d+)s!/;
 
 export class LabConsole {
   readonly stages = new Map<LabStage, number>();
   readonly outcome: LabOutcome = { summary: null, exitCode: null, setupFailure: null, innerTimeout: false };
-  /** The test file the inner suite started last (its LAB-FILE line), and when the last line came. */
+  /** The test file the inner suite started last (its LAB-FILE line), and when its last line came
+   * (the lab kernel's own log lines do not count: a stuck CPU reports itself every ~30 s). */
   runningFile: string | null = null;
   lastLineAt: number;
+  /** The longest time a CPU of the lab has been stuck in its kernel (a soft lockup report), seconds. */
+  stuckS = 0;
   private readonly tail: string[] = [];
   private pendingFailures: string[] = [];
   private partial = '';
@@ -59,7 +64,9 @@ export class LabConsole {
   line(raw: string): void {
     // Serial output carries CRs and, at boot, escape sequences from the firmware.
     const line = raw.replace(/\r/g, '').replace(/\x1b\[[0-9;?]*[A-Za-z]/g, '');
-    this.lastLineAt = this.now();
+    if (!KERNEL_LOG_RE.test(line)) this.lastLineAt = this.now();
+    const stuck = SOFT_LOCKUP_RE.exec(line);
+    if (stuck) this.stuckS = Math.max(this.stuckS, Number(stuck[1]));
     this.tail.push(line);
     if (this.tail.length > this.keep) this.tail.shift();
     this.onLine(line);

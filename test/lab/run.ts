@@ -8,6 +8,8 @@
 //   FORKLING_LAB_TIMEOUT_S  overall limit for one boot of the lab, seconds (default 1800)
 //   FORKLING_LAB_SILENCE_S  no console output for this long means the lab froze: it is booted again
 //                           for the unfinished files (default 690: the inner limit per file + 90)
+//   FORKLING_LAB_LOCKUP_S   a CPU of the lab stuck in its kernel this long (its soft lockup report)
+//                           also means it froze (default 180)
 //   FORKLING_LAB_CRASH_REBOOTS  boots again after a crash or freeze of the lab itself (default 2)
 //   FORKLING_LAB_MEM_MB     the lab machine's RAM (default 6144: nested guests take 1-2 GiB, the
 //                           store overlay and /tmp live in RAM; QEMU only backs what is touched)
@@ -165,13 +167,18 @@ async function main(startedAt: number): Promise<Summary> {
     killQemu();
   }, timeoutS * 1000);
   // Silence longer than the inner suite's own limit per test file (it prints when it kills one)
-  // means the lab machine itself froze: nothing in it runs any more, not even that timer.
-  let frozen = false;
+  // means the lab machine itself froze: nothing in it runs any more, not even that timer. So does
+  // a CPU stuck in the lab's kernel for minutes (seen with a vCPU thread of ours under QEMU's
+  // nested SVM: no kill reaches it, and the kernel's reports of it are all the console says).
+  let frozen: string | null = null;
   const silenceS = envInt('FORKLING_LAB_SILENCE_S', FILE_LIMIT_S + 90, 30);
+  const lockupS = envInt('FORKLING_LAB_LOCKUP_S', 180, 30);
   const watch = setInterval(() => {
-    if (frozen || timedOut || Date.now() - con.lastLineAt < silenceS * 1000) return;
-    frozen = true;
-    say(`LAB FROZEN: no console output for ${silenceS}s (FORKLING_LAB_SILENCE_S) while ${con.runningFile ?? 'the suite'} ran; killing qemu`);
+    if (frozen || timedOut) return;
+    if (con.stuckS >= lockupS) frozen = `a CPU of the lab was stuck in its kernel for ${con.stuckS}s (soft lockup; FORKLING_LAB_LOCKUP_S=${lockupS})`;
+    else if (Date.now() - con.lastLineAt >= silenceS * 1000) frozen = `no console output for ${silenceS}s (FORKLING_LAB_SILENCE_S)`;
+    else return;
+    say(`LAB FROZEN: ${frozen} while ${con.runningFile ?? 'the suite'} ran; killing qemu`);
     killQemu();
   }, 5000);
   const exit = await new Promise<{ code: number | null; error?: NodeJS.ErrnoException }>((res) => {
@@ -206,7 +213,7 @@ async function main(startedAt: number): Promise<Summary> {
   }
   if (frozen) {
     showTail();
-    return fail(`the lab machine froze while ${con.runningFile ?? 'the suite'} ran (no console output for ${silenceS}s)`);
+    return fail(`the lab machine froze while ${con.runningFile ?? 'the suite'} ran (${frozen})`);
   }
   if (o.setupFailure) return fail(`set-up inside the lab failed: ${o.setupFailure}`);
   if (o.exitCode === null) {
@@ -261,9 +268,9 @@ function finishedFiles(lines: string[]): Map<string, { total: number; passed: nu
  * the finished ones as they ended. Said loudly each time; after
  * FORKLING_LAB_CRASH_REBOOTS reboots (default 2) another one fails the run.
  * Both are the lab's own kernel under QEMU's nested SVM, several times a day on
- * a loaded machine: a panic in one of our vCPU threads, or no output at all
- * while both of the lab's CPUs spin (a file that froze it is run again, so one
- * that does it every time still fails).
+ * a loaded machine: a panic in one of our vCPU threads, no output at all while
+ * both of the lab's CPUs spin, or one of its CPUs stuck in the kernel (a file
+ * that froze it is run again, so one that does it every time still fails).
  */
 async function rerunAfterLabCrash(first: Summary, startedAt: number): Promise<Summary> {
   const reboots = envInt('FORKLING_LAB_CRASH_REBOOTS', 2, 0);

@@ -216,6 +216,19 @@ test('eval: what subprocesses, os.system and C code write to fds 1 and 2 is the 
   // A process the eval forks (multiprocessing's workers) prints into the eval too.
   const forked = await c.eval('pid = os.fork()\nif pid == 0:\n    print("from the fork", flush=True)\n    os._exit(0)\nos.waitpid(pid, 0)[1]');
   assert.equal([forked.value, forked.stdout], [0, 'from the fork\n']);
+  // Its prints go out a whole line per write (print writes text and newline apart), so the lines of
+  // workers printing at once never mix; what is left without a newline goes out when it flushes.
+  const mixed = await c.eval(
+    'kids = []\nfor k in range(4):\n    pid = os.fork()\n    if pid == 0:\n' +
+      '        for i in range(300): print("p%d-%d" % (k, i), "x" * 40)\n' +
+      '        print("tail%d!" % k, end="")\n        sys.stdout.flush()\n        os._exit(0)\n    kids.append(pid)\n' +
+      '[os.waitpid(p, 0)[1] for p in kids]',
+  );
+  assert.equal(mixed.value, [0, 0, 0, 0]);
+  assert.equal(mixed.stdout.match(/tail\d!/g)?.sort(), ['tail0!', 'tail1!', 'tail2!', 'tail3!']);
+  const lines = mixed.stdout.replace(/tail\d!/g, '').split('\n').filter(Boolean);
+  assert.is(lines.length, 1200);
+  assert.ok(lines.every((l) => /^p[0-3]-\d+ x{40}$/.test(l)), 'every worker line arrived whole');
   // A background writer faster than the agent can pass it on does not keep an eval from ending.
   const flood = await c.eval('yes = subprocess.Popen(["yes"])\ntime.sleep(0.1)\n"started"', { timeoutMs: 20_000 });
   assert.is(flood.value, 'started');

@@ -68,4 +68,20 @@ test('console: the file the inner suite runs, and when the last line came (to te
   assert.ok(!con.stages.has('first-output') || con.stages.get('first-output') === 900, 'LAB-FILE lines are not output of the suite');
 });
 
+test("console: the lab kernel's soft lockup reports tell a stuck CPU, and its log lines are not the suite's output", () => {
+  let t = 100;
+  const con = new LabConsole(undefined, () => t);
+  con.feed('LAB-NODE-START 3.0\nLAB-FILE test/kvm/fork.test.ts\n');
+  t = 500;
+  con.feed('[  429.2] watchdog: BUG: soft lockup - CPU#1 stuck for 22s! [node:383]\n[  429.2] Call Trace:\n');
+  assert.is(con.stuckS, 22);
+  assert.is(con.lastLineAt, 100, 'kernel log lines do not count as output');
+  con.feed('[  803.2] watchdog: BUG: soft lockup - CPU#1 stuck for 396s! [node:383]\n');
+  con.feed('[  810.0] watchdog: BUG: soft lockup - CPU#0 stuck for 23s! [node:390]\n');
+  assert.is(con.stuckS, 396);
+  t = 600;
+  con.feed('  [+] 3 more\n');
+  assert.is(con.lastLineAt, 600);
+});
+
 test.run();
