@@ -664,6 +664,49 @@ test('snapshot: pause holds the device still, resume continues', () =>
     assert.is((await g.recv(isOp(OP.RW, hostPort), 'data after resume')).data.toString(), 'while paused');
   }));
 
+test("snapshot: the guest resetting and activating the device again does not end the VMM's hold", () =>
+  withGuest(async (g) => {
+    g.d.device.pause();
+    g.d.device.reset();
+    g.activate();
+    g.send({ op: OP.RW, srcPort: 4300, dstPort: 77 }, Buffer.from('x'));
+    const txBefore = g.d.device.stats().txPackets;
+    assert.ok(g.d.device.sync(5000), 'device sync');
+    assert.is(g.d.device.stats().txPackets, txBefore, 'nothing processed while held');
+    g.d.device.resume();
+    assert.ok(g.d.device.sync(5000), 'device sync');
+    assert.is(g.d.device.stats().txPackets, txBefore + 1, 'processed after resume');
+  }));
+
+test('credit granted a byte at a time, no rx buffers: host data waits as one packet, not one per byte', () =>
+  withGuest(async (g) => {
+    const { host, hostPort } = await hostConnect(g, 4400, 1);
+    await new Promise<void>((r) => host.write(Buffer.alloc(300, 0x61), () => r()));
+    // Only the tx queue is served from here on: the rx buffers run out, the rest waits in the device.
+    for (let credit = 1; credit <= 300; credit++) {
+      g.send({ op: OP.CREDIT_UPDATE, srcPort: 4400, dstPort: hostPort, bufAlloc: credit, fwdCnt: 0 });
+      assert.ok(g.d.device.sync(5000), 'device sync');
+      g.tx.takeUsed();
+    }
+    let bytes = 0;
+    let packets = 0;
+    await g.d.until(
+      () => {
+        g.pump();
+        for (const p of g.received.splice(0)) {
+          if (p.hdr.op !== OP.RW) continue;
+          bytes += p.data.length;
+          packets++;
+        }
+        return bytes >= 300;
+      },
+      '300 bytes',
+    );
+    assert.is(bytes, 300);
+    assert.ok(packets < 64, `${packets} packets for 300 bytes (one per rx buffer the guest had, then one)`);
+    host.destroy();
+  }));
+
 test('snapshot: restoring from saved ring positions continues the rings and resets the transport', () =>
   withGuest(async (g) => {
     const { host, hostPort } = await hostConnect(g, 4300);

@@ -231,19 +231,24 @@ export class KvmSandbox implements Sandbox {
     for (const e of events) {
       if (e.type === 'console') {
         for (const line of e.lines) {
-          this.lines.push(line);
-          if (this.lines.length > CONSOLE_KEEP) this.lines.shift();
+          this.keepLine(line);
           this.spec.onConsole?.(line);
         }
       } else if (e.type === 'console-dropped') {
-        this.lines.push(`[forkling: ${e.count} console lines dropped]`);
+        this.keepLine(`[forkling: ${e.count} console lines dropped]`);
       } else if (e.type === 'device-error') {
+        // (the VMM reports a few failures per device, then one saying it stops)
         this.deviceErrors.push(`${e.device}: ${e.message}`);
-        this.lines.push(`[forkling: device ${e.device} failed: ${e.message}]`);
+        this.keepLine(`[forkling: device ${e.device} failed: ${e.message}]`);
       } else if (e.type === 'stopped') {
         this.finish(exitFromStop(e.reason, e.message, this.shutdownRequested));
       }
     }
+  }
+
+  private keepLine(line: string): void {
+    this.lines.push(line);
+    if (this.lines.length > CONSOLE_KEEP) this.lines.shift();
   }
 
   /** The VM is over: free it at once (threads joined, RAM unmapped) and tell the waiters. */

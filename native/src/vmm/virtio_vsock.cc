@@ -112,6 +112,7 @@ struct VirtioVsock::Conn {
   uint32_t peer_fwd_cnt = 0;
   size_t queued_rx = 0;  // of tx_cnt, bytes still waiting for rx buffers
   bool credit_requested = false;
+  bool credit_request_queued = false;  // one waits for an rx buffer: none more until it is delivered
   bool host_eof = false;         // fd read returned 0
   bool hup = false;              // the Unix peer closed completely (fd left epoll)
   bool guest_shut_send = false;  // the guest will send no more
@@ -217,8 +218,13 @@ void VirtioVsock::StartLoop() {
   stop_ = false;
   // A kick left pending by a stopped loop would swallow every later kick.
   kick_pending_ = false;
+  try {
+    thread_ = std::thread(&VirtioVsock::Loop, this);
+  } catch (const std::system_error& e) {
+    FailDevice(std::string("cannot start the vsock device's thread: ") + e.what());
+    return;
+  }
   running_ = true;
-  thread_ = std::thread(&VirtioVsock::Loop, this);
 }
 
 void VirtioVsock::StopLoop() {
@@ -246,7 +252,6 @@ void VirtioVsock::Activate(const GuestMemory& mem, const std::vector<QueueConfig
   event_reset_owed_ = false;
   transport_reset_pending_ = false;
   active_ = false;
-  paused_ = false;
   static const char* kNames[3] = {"vsock rx queue", "vsock tx queue", "vsock event queue"};
   const bool indirect = (driver_features & kVirtioFIndirectDesc) != 0;
   for (uint16_t i = 0; i < 3; i++) {
@@ -259,7 +264,7 @@ void VirtioVsock::Activate(const GuestMemory& mem, const std::vector<QueueConfig
     }
   }
   active_ = true;
-  StartLoop();
+  if (!paused_) StartLoop();  // held by the VMM: Resume() starts it
 }
 
 void VirtioVsock::Reset() {
@@ -273,22 +278,21 @@ void VirtioVsock::Reset() {
   event_reset_owed_ = false;
   transport_reset_pending_ = false;
   active_ = false;
-  paused_ = false;
   ClearFailure();
 }
 
+// A hold of the VMM's (a snapshot, a reclaim), which the guest cannot end: a reset
+// and new activation by the guest in between does not start the loop.
 void VirtioVsock::Pause() {
   std::lock_guard<std::mutex> l(control_mu_);
-  if (!active_ || paused_) return;
-  StopLoop();
   paused_ = true;
+  StopLoop();
 }
 
 void VirtioVsock::Resume() {
   std::lock_guard<std::mutex> l(control_mu_);
-  if (!active_ || !paused_) return;
   paused_ = false;
-  StartLoop();
+  if (active_ && !running_) StartLoop();
 }
 
 VirtioVsock::State VirtioVsock::SaveState() const {
@@ -309,7 +313,7 @@ void VirtioVsock::RestoreState(const GuestMemory& mem, const State& state, Notif
   for (Virtqueue& q : queues_) q.Clear();
   ClearFailure();
   active_ = false;
-  paused_ = false;
+  paused_ = false;  // the VMM starts this device over
   mem_ = mem;
   driver_features_ = state.driver_features;
   notify_ = std::move(notify_guest);
@@ -781,8 +785,9 @@ void VirtioVsock::ReadFromHost(Conn* c) {
     const uint32_t credit = PeerCredit(c);
     size_t want = std::min<size_t>({credit, room_conn, room_all, kMaxPacketPayload});
     if (want == 0) {
-      if (credit == 0 && !c->credit_requested) {
+      if (credit == 0 && !c->credit_requested && !c->credit_request_queued) {
         c->credit_requested = true;
+        c->credit_request_queued = true;
         QueueControl(kVsockOpCreditRequest, 0, c);
       }
       return;
@@ -802,15 +807,31 @@ void VirtioVsock::ReadFromHost(Conn* c) {
       if (c->guest_shut_send && c->pending_to_host() == 0) ResetConn(c);  // both directions are done
       return;
     }
-    Packet p;
-    p.hdr = VsockHeader{kVsockHostCid, guest_cid_, c->host_port, c->guest_port, 0, kVsockTypeStream, kVsockOpRw, 0,
-                        kBufAlloc, 0};
-    p.data.assign(read_buf_.data(), static_cast<size_t>(n));
-    p.conn_id = id;
+    // Appended to this connection's data packet still waiting near the end of the
+    // line (past credit packets only, which may come before data): the limits
+    // count bytes, and a guest granting credit a byte at a time would otherwise
+    // queue a packet (~100 bytes of the host's) per byte.
+    Packet* last = nullptr;
+    for (auto it = rx_pending_.rbegin(); it != rx_pending_.rend() && it - rx_pending_.rbegin() < 4; ++it) {
+      if (it->hdr.op == kVsockOpRw) {
+        if (it->conn_id == id) last = &*it;
+        break;
+      }
+      if (it->hdr.op != kVsockOpCreditRequest && it->hdr.op != kVsockOpCreditUpdate) break;
+    }
+    if (last && last->data.size() - last->off + static_cast<size_t>(n) <= kMaxPacketPayload) {
+      last->data.append(read_buf_.data(), static_cast<size_t>(n));
+    } else {
+      Packet p;
+      p.hdr = VsockHeader{kVsockHostCid, guest_cid_, c->host_port, c->guest_port, 0, kVsockTypeStream, kVsockOpRw, 0,
+                          kBufAlloc, 0};
+      p.data.assign(read_buf_.data(), static_cast<size_t>(n));
+      p.conn_id = id;
+      rx_pending_.push_back(std::move(p));
+    }
     c->tx_cnt += static_cast<uint32_t>(n);
     c->queued_rx += static_cast<size_t>(n);
     rx_pending_bytes_ += static_cast<size_t>(n);
-    rx_pending_.push_back(std::move(p));
     if (static_cast<size_t>(n) < want) return;  // drained for now
   }
 }
@@ -957,6 +978,7 @@ void VirtioVsock::DeliverRx() {
       rx_pending_bytes_ -= n;
       if (p.off == p.data.size()) rx_pending_.pop_front();
     } else {
+      if (c && p.hdr.op == kVsockOpCreditRequest) c->credit_request_queued = false;
       rx_pending_control_--;
       rx_pending_.pop_front();
     }

@@ -204,7 +204,7 @@ class VirtioVsock : public VirtioDevice {
 
   mutable std::mutex control_mu_;  // serialises Activate / Reset / Pause / Resume / RestoreState
   bool active_ = false;            // activated and not reset (the loop may be paused)
-  bool paused_ = false;
+  bool paused_ = false;             // held still by the VMM (Pause) until Resume, whatever the guest does
   std::thread thread_;
   std::atomic<bool> running_{false};
   std::atomic<bool> stop_{false};

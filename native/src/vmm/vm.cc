@@ -23,6 +23,9 @@
 namespace forkling::vmm {
 namespace {
 
+// Failures of one device reported to the host before they are only counted.
+constexpr uint32_t kMaxDeviceErrorReports = 8;
+
 // vCPU threads are kicked out of KVM_RUN with this signal (plus
 // kvm_run.immediate_exit, which closes the race with a thread about to enter).
 int KickSignal() { return SIGRTMIN + 7; }
@@ -228,10 +231,18 @@ void Vm::SetupDevices() {
   pci_ = std::make_unique<PciBus>();
   auto add = [&](std::shared_ptr<VirtioDevice> dev, const std::string& name) {
     uint64_t bar = pci_->AllocateMmio(VirtioPciDevice::kBarSize);
+    // A guest can fail a device, reset it and fail it again in a loop: only the first
+    // few reports reach the host (each is an event for JS), then one saying so.
+    auto reports = std::make_shared<std::atomic<uint32_t>>(0);
     auto pd = std::make_shared<VirtioPciDevice>(
         std::move(dev), ram_.memory(), bar, [this](uint64_t a, uint32_t d) { SignalMsi(a, d); },
-        [this, name](const std::string& message) {
-          on_event_(VmEvent{VmEvent::Type::kDeviceError, name, message, {}});
+        [this, name, reports](const std::string& message) {
+          uint32_t n = reports->fetch_add(1);
+          if (n < kMaxDeviceErrorReports) {
+            on_event_(VmEvent{VmEvent::Type::kDeviceError, name, message, {}});
+          } else if (n == kMaxDeviceErrorReports) {
+            on_event_(VmEvent{VmEvent::Type::kDeviceError, name, "it failed again; its further failures are not reported", {}});
+          }
         });
     if (pci_->Add(pd) < 0) throw std::runtime_error("no free PCI slot");
     virtio_.push_back(std::move(pd));
@@ -454,13 +465,23 @@ void Vm::VcpuLoop(uint32_t index) {
       break;
     }
     switch (run->exit_reason) {
+      // A device model that throws (a thread it could not start, memory it could not get)
+      // ends this VM; an exception out of a vCPU thread would end the host process.
       case KVM_EXIT_IO:
         exits_[kExitIo]++;
-        HandleIo(run);
+        try {
+          HandleIo(run);
+        } catch (const std::exception& e) {
+          RequestStop("error", std::string("a device failed on a port access of the guest: ") + e.what());
+        }
         break;
       case KVM_EXIT_MMIO:
         exits_[kExitMmio]++;
-        HandleMmio(run);
+        try {
+          HandleMmio(run);
+        } catch (const std::exception& e) {
+          RequestStop("error", std::string("a device failed on an MMIO access of the guest: ") + e.what());
+        }
         break;
       case KVM_EXIT_INTR:
         exits_[kExitIntr]++;

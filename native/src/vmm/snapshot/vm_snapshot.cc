@@ -259,7 +259,22 @@ std::vector<uint64_t> Vm::RngWritablePages() {
     for (uint64_t i = 0; i < n; i++) {
       uint64_t addr = 0;
       uint32_t len = 0;
-      if (m.Read(q.desc + 16 * i, &addr) && m.Read(q.desc + 16 * i + 8, &len)) add(addr, len);
+      uint16_t flags = 0;
+      if (!m.Read(q.desc + 16 * i, &addr) || !m.Read(q.desc + 16 * i + 8, &len) || !m.Read(q.desc + 16 * i + 12, &flags))
+        continue;
+      if (!(flags & kVirtqDescFIndirect)) {
+        add(addr, len);
+        continue;
+      }
+      // An indirect table: the device fills at most the first kMaxBytesPerRequest of its buffers.
+      uint64_t covered = 0;
+      for (uint64_t j = 0; j < std::min<uint64_t>(len / 16, kMaxIndirectDescriptors) && covered < VirtioRng::kMaxBytesPerRequest; j++) {
+        uint64_t a = 0;
+        uint32_t l = 0;
+        if (!m.Read(addr + 16 * j, &a) || !m.Read(addr + 16 * j + 8, &l)) break;
+        add(a, std::min<uint64_t>(l, VirtioRng::kMaxBytesPerRequest - covered));
+        covered += l;
+      }
     }
   }
   std::sort(out.begin(), out.end());
