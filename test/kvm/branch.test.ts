@@ -9,14 +9,15 @@ import { KvmEngine } from '../../host/engine/kvm/engine.ts';
 import { templateDir } from '../../host/engine/kvm/template.ts';
 import type { KvmSandbox } from '../../host/engine/kvm/vm.ts';
 import { labRetry, labTest } from './lab-flake.ts';
+import { loud } from '../loud-hook.ts';
 
 const engine = new KvmEngine();
 const NAME = `test-branch-${process.pid}`;
 const alive: KvmSandbox[] = [];
 
-test.before(async () => {
+test.before(loud("the suite's set-up (test.before)", async () => {
   await labRetry('template boot', () => engine.createTemplate({ name: NAME, image: 'default', warmup: 'BASE = "template"' }));
-});
+}));
 
 labTest('a BRANCH child sees variables and RAM files set after the template; the source goes on', async () => {
   const [src] = await engine.fork(NAME, 1);

@@ -11,6 +11,7 @@ import type { TemplateInfo } from '../../host/engine/engine.ts';
 import { KvmEngine, RECLAIM_IDLE_MS } from '../../host/engine/kvm/engine.ts';
 import { MEMORY_FILE, STATE_FILE, templateDir } from '../../host/engine/kvm/template.ts';
 import { labRetry, labTest } from './lab-flake.ts';
+import { loud } from '../loud-hook.ts';
 
 const engine = new KvmEngine();
 const NAME = `test-fork-${process.pid}`;
@@ -34,9 +35,9 @@ function mappingsOf(path: string): number {
   return readFileSync('/proc/self/maps', 'utf8').split('\n').filter((l) => l.endsWith(path)).length;
 }
 
-test.before(async () => {
+test.before(loud("the suite's set-up (test.before)", async () => {
   info = await labRetry('template boot', () => engine.createTemplate({ name: NAME, image: 'default', warmup: WARMUP }));
-});
+}));
 
 labTest('the warm-up state is in every child; children are ready after restore', async () => {
   const kids = await fork(3);

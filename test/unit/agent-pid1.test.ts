@@ -10,6 +10,7 @@ import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import type { AgentClient } from '../../host/agent/client.ts';
 import { type LocalAgent, startLocalAgent } from '../../host/agent/spawn.ts';
+import { loud } from '../loud-hook.ts';
 
 // not under /tmp or /run: the agent mounts fresh tmpfs there in its namespace
 const dir = mkdtempSync('/var/tmp/forkling-pid1-');
@@ -17,7 +18,7 @@ let agent: LocalAgent;
 let c: AgentClient;
 const text = (b: Uint8Array) => Buffer.from(b).toString('utf8');
 
-test.before(async () => {
+test.before(loud("the suite's set-up (test.before)", async () => {
   if (process.getuid?.() !== 0) throw new Error('agent-pid1.test.ts needs root (unshare of PID/mount/UTS/net namespaces)');
   agent = await startLocalAgent({
     socketPath: join(dir, 'agent.sock'),
@@ -25,7 +26,7 @@ test.before(async () => {
     args: ['--system-ops', 'hostname,entropy'],
   });
   c = await agent.connect();
-});
+}));
 
 test.after(async () => {
   c?.close();

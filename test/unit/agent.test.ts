@@ -14,6 +14,7 @@ import { type AgentClient, AgentError, connectUnix } from '../../host/agent/clie
 import { type LocalAgent, startLocalAgent } from '../../host/agent/spawn.ts';
 import { decodeFrame, encodePrefixed, FrameReader, lengthPrefix } from '../../protocol/codec.ts';
 import { MAX_FRAME } from '../../protocol/schema.ts';
+import { loud } from '../loud-hook.ts';
 
 const dir = mkdtempSync(join(tmpdir(), 'forkling-agent-test-'));
 const FILE_MB = Number(process.env.FORKLING_TEST_FILE_MB ?? 256);
@@ -49,7 +50,7 @@ async function until(what: string, cond: () => boolean | Promise<boolean>, timeo
   }
 }
 
-test.before(async () => {
+test.before(loud("the suite's set-up (test.before)", async () => {
   agent = await startLocalAgent({
     socketPath: join(dir, 'agent.sock'),
     // RLIMIT_AS keeps the out-of-memory test small; few malloc arenas keep threads inside it
@@ -57,7 +58,7 @@ test.before(async () => {
     env: { ...process.env, MALLOC_ARENA_MAX: '2' },
   });
   c = await agent.connect({ onStrayFrame: (f) => strays.push(f) });
-});
+}));
 
 test.after(async () => {
   c?.close();

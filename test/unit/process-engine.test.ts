@@ -15,6 +15,7 @@ import { ProcessEngine } from '../../host/engine/process/engine.ts';
 import { ensureImage } from '../../host/images.ts';
 import { storePath } from '../../host/store.ts';
 import { pollUntil } from '../../host/util/poll.ts';
+import { loud } from '../loud-hook.ts';
 
 const root = dirname(dirname(dirname(fileURLToPath(import.meta.url))));
 
@@ -62,7 +63,7 @@ async function withTemplate(suffix: string, warmup: string[], fn: (name: string,
 const meminfo = (key: string) => Number(new RegExp(`^${key}:\\s+(\\d+)`, 'm').exec(readFileSync('/proc/meminfo', 'utf8'))![1]);
 const memAvailableKiB = () => meminfo('MemAvailable');
 
-test.before(async () => {
+test.before(loud("the suite's set-up (test.before)", async () => {
   engine = new ProcessEngine({ warn: (l) => warnings.push(l), pidsPerSandbox: 64 });
   await engine.createTemplate({
     name: TEMPLATE,
@@ -72,7 +73,7 @@ test.before(async () => {
       'import os, random, uuid, socket\nWARM = {"answer": 42, "pid": os.getpid()}\nTEMPLATE_RANDOM = random.random()\n' +
       'open("/tmp/warm-file", "w").write("from the warm-up")',
   });
-});
+}));
 
 test.after(async () => {
   await engine?.close();

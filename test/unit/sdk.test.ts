@@ -14,6 +14,7 @@ import {
   TimeoutError,
 } from '../../host/index.ts';
 import { type Served, serve } from './server-harness.ts';
+import { loud } from '../loud-hook.ts';
 
 const TOKEN = 'sdk-test-token-0123456789';
 const test = suite('sdk');
@@ -21,11 +22,11 @@ let srv: Served;
 let opts: { url: string; token: string };
 let sb: Sandbox;
 
-test.before(async () => {
+test.before(loud("the suite's set-up (test.before)", async () => {
   srv = await serve({ token: TOKEN });
   opts = { url: srv.url, token: TOKEN };
   sb = await Sandbox.create({ ...opts, template: 'default', timeoutMs: 120_000 });
-});
+}));
 
 test.after(async () => {
   Sandbox.disconnectAll();

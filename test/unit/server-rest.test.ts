@@ -4,6 +4,7 @@
 import * as assert from 'uvu/assert';
 import { suite } from 'uvu';
 import { type Served, serve } from './server-harness.ts';
+import { loud } from '../loud-hook.ts';
 
 const TOKEN = 'rest-test-token-0123456789';
 const test = suite('server-rest');
@@ -163,11 +164,11 @@ async function call(
 const b64 = (s: string) => Buffer.from(s).toString('base64');
 const unb64 = (s: unknown) => Buffer.from(s as string, 'base64').toString();
 
-test.before(async () => {
+test.before(loud("the suite's set-up (test.before)", async () => {
   srv = await serve({ token: TOKEN });
   const res = await fetch(`${srv.url}/v1/openapi.json`, { headers: { authorization: `Bearer ${TOKEN}` } });
   doc = (await res.json()) as Json;
-});
+}));
 
 test.after(async () => {
   assert.is(await srv.stop(), 0, srv.log.join(''));

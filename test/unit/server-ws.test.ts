@@ -5,20 +5,21 @@ import * as assert from 'uvu/assert';
 import { suite } from 'uvu';
 import { MAX_FRAME } from '../../protocol/schema.ts';
 import { type Frame, RawClient, type Served, serve } from './server-harness.ts';
+import { loud } from '../loud-hook.ts';
 
 const TOKEN = 'test-token-0123456789abcdef';
 const test = suite('server-ws');
 let srv: Served;
 let sandbox: string;
 
-test.before(async () => {
+test.before(loud("the suite's set-up (test.before)", async () => {
   srv = await serve({ token: TOKEN, maxInFlight: 32 });
   const c = await RawClient.open(srv.url, { token: TOKEN });
   const r = await c.request('sandbox.create', { timeoutMs: 120_000 });
   assert.is(r.t, 'res', JSON.stringify(r));
   sandbox = (r.sandbox as { id: string }).id;
   c.close();
-});
+}));
 
 test.after(async () => {
   const code = await srv.stop();
