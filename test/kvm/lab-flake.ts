@@ -32,12 +32,14 @@
 // back, compare the CPU features V8 picks under TCG (the runner lists the ones
 // TCG lacks) with the lab's -cpu model.
 import { appendFileSync } from 'node:fs';
+import { basename } from 'node:path';
 import { test } from 'uvu';
 
 /**
  * A test file's progress lines, stamped with seconds since it started; in the
- * lab also written to the kernel log, which the lab prints when a run fails
- * or hangs.
+ * lab also written to the kernel log at error level, which its console shows
+ * at once (a file's own output comes only when it ends: if the lab freezes,
+ * these say where).
  */
 export function labProgress(file: string): (line: string) => void {
   const t0 = performance.now();
@@ -46,7 +48,7 @@ export function labProgress(file: string): (line: string) => void {
     console.error(l);
     if (process.env.FORKLING_IN_LAB) {
       try {
-        appendFileSync('/dev/kmsg', `${l}\n`);
+        appendFileSync('/dev/kmsg', `<3>${l}\n`);
       } catch {}
     }
   };
@@ -95,5 +97,9 @@ export async function labRetry<T>(
  * either, 3 times in all; anywhere else it runs once.
  */
 export function labTest(name: string, fn: () => Promise<void>, kinds: LabFlake[] = ['early', 'stall']): void {
-  test(name, () => labRetry(name, fn, console.error, 3, kinds));
+  const progress = labProgress(basename(process.argv[1] ?? 'test', '.ts'));
+  test(name, () => {
+    progress(`test: ${name}`);
+    return labRetry(name, fn, progress, 3, kinds);
+  });
 }

@@ -82,6 +82,9 @@ test("console: the lab kernel's soft lockup reports tell a stuck CPU, and its lo
   t = 600;
   con.feed('  [+] 3 more\n');
   assert.is(con.lastLineAt, 600);
+  t = 700;
+  con.feed('[  811.0] [fork.test +12.5s] test: 10 children in parallel\n');
+  assert.is(con.lastLineAt, 700, "a test file's progress line through the kernel log counts");
 });
 
 test.run();
