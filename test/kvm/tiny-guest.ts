@@ -54,9 +54,31 @@ export const COUNTER_STEP = 1n << 16n;
 /** Guest memory the dirty variant needs (it writes up to 54 MiB). */
 export const DIRTY_MEMORY_MIB = 128;
 
+// A hostile guest: enables memory decoding of PCI slot 1 (virtio-vsock, BAR 0 at
+// 0xd0000000), then FLAP_ROUNDS times resets the device, accepts VERSION_1, gives
+// queue 0 the invalid size 3, enables it and sets DRIVER_OK (which the VMM must
+// refuse: a device error); then prints "D" and spins.
+//   mov dx,0xcf8; mov eax,0x80000804; out dx,eax; mov dx,0xcfc; mov eax,6; out dx,eax
+//   movabs rbx,0xd0000000; mov ecx,500
+// 1: mov byte [rbx+0x14],0; mov dword [rbx+8],1; mov dword [rbx+0xc],1
+//   mov word [rbx+0x18],3; mov word [rbx+0x1c],1; mov byte [rbx+0x14],0xf; dec ecx; jnz 1b
+//   mov dx,0x3f8; mov al,'D'; out dx,al; mov al,10; out dx,al; 2: jmp 2b
+const FLAPPER =
+  '66baf80cb804080080ef66bafc0cb806000000ef48bb000000d000000000b9f4010000c6431400c7430801000000c7430c0100000066c74318030066c7431c0100c643140fffc975da66baf803b044eeb00aeeebfe';
+/** How many times the device-failing guest fails virtio-vsock. */
+export const FLAP_ROUNDS = 500;
+
+/** The ELF image of the hostile guest that fails virtio-vsock FLAP_ROUNDS times, then prints "D". */
+export function deviceFlapperElf(): Buffer {
+  return elfOf(Buffer.from(FLAPPER, 'hex'));
+}
+
 /** The ELF image: one PT_LOAD segment at 1 MiB, entry at its start. */
 export function tinyGuestElf(opts: TinyGuestOptions = {}): Buffer {
-  const CODE = code(opts);
+  return elfOf(code(opts));
+}
+
+function elfOf(CODE: Buffer): Buffer {
   const ehdr = Buffer.alloc(64);
   ehdr.write('\x7fELF', 0, 'latin1');
   ehdr[4] = 2; // 64-bit
