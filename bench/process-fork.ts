@@ -7,6 +7,7 @@
 //   npx tsx bench/process-fork.ts [--image NAME] [--no-cold] [--no-spares] [--ksm] [--n 1,10,100]
 import { closeSync, openSync, readdirSync, readFileSync, readSync, rmSync } from 'node:fs';
 import type { Sandbox } from '../host/engine/engine.ts';
+import { cgroupMoveCheck } from '../host/doctor/checks.ts';
 import { ProcessEngine } from '../host/engine/process/engine.ts';
 import { buildImage, imageExists, loadImage } from '../host/images.ts';
 import { storePath } from '../host/store.ts';
@@ -217,6 +218,8 @@ try {
     }
   })();
   console.log(`KSM: ${KSM ? 'asked for' : 'not asked for (--ksm)'}, host /sys/kernel/mm/ksm/run = ${ksmNow}`);
+  // (Seen on Linux 6.18: once favordynmods had been on, moves stayed quick after it was turned off again.)
+  console.log(`cgroup moves: ${cgroupMoveCheck().detail}`);
   if (SPARES) console.log('\nwith 100 spare forks waiting per template (option spares; each spare holds a child\'s memory):');
   for (const r of spareRows) console.log(`${String(r.n).padStart(5)} | all answered in ${r.ms.toFixed(1)} ms`);
   console.log('\nwhere the fork time went (ms from the fork call; for N > 25, the last of its requests to the zygote to finish):');

@@ -113,7 +113,7 @@ def setns(fd, nstype):
 FORK_ARGS = {
     'type': 'object', 'required': ['children'],
     'properties': {
-        'children': {'type': 'array', 'minItems': 1, 'maxItems': 1024, 'items': {
+        'children': {'type': 'array', 'minItems': 0, 'maxItems': 1024, 'items': {
             'type': 'object', 'required': ['id', 'hostname'],
             'properties': {'id': {'type': 'string', 'minLength': 1, 'maxLength': 32},
                            'hostname': {'type': 'string', 'minLength': 1, 'maxLength': 63}}}},

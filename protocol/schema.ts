@@ -95,10 +95,12 @@ const op = <A extends TSchema, R extends TSchema, E extends Record<string, TSche
 // Process engine only (guest-agent/forkling_zygote.py): fork() of the warm
 // agent. `fork` is answered by a zygote, `branch` by a running sandbox; each
 // child is ready (listening on its own socket) when its entry has ok: true.
+// No children: a zygote freezes its template and starts its fork server (the
+// engine's prepare), a sandbox does nothing.
 const ForkArgs = Type.Object({
   children: Type.Array(
     Type.Object({ id: Type.String({ minLength: 1, maxLength: 32 }), hostname: Type.String({ minLength: 1, maxLength: 63 }) }),
-    { minItems: 1, maxItems: 1024 },
+    { minItems: 0, maxItems: 1024 },
   ),
 });
 const ForkResult = Type.Object({

@@ -74,6 +74,12 @@ export interface Engine {
   boot(opts: BootOptions): Promise<Sandbox>;
   /** Boots, warms up and freezes a template. */
   createTemplate(opts: TemplateOptions): Promise<TemplateInfo>;
+  /**
+   * Makes a template ready to fork at once (fork does this itself when needed):
+   * the process engine starts its zygote, the KVM engine checks its files; the
+   * template `default` is created on first use. Once per template and engine.
+   */
+  prepare(template: string): Promise<void>;
   /** n children of a template, each ready (restore done) when resolved. */
   fork(template: string, n: number): Promise<Sandbox[]>;
   /** n children continuing from the live state of a running sandbox; the source goes on. */

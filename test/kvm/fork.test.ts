@@ -40,6 +40,8 @@ test.before(loud("the suite's set-up (test.before)", async () => {
 }));
 
 labTest('the warm-up state is in every child; children are ready after restore', async () => {
+  await engine.prepare(NAME); // (checks the template's files; the fork then finds them checked)
+  await rejects(() => engine.prepare(`${NAME}-missing`), /does not exist/);
   const kids = await fork(3);
   try {
     for (const k of kids) {

@@ -4,6 +4,7 @@
 import { spawnSync } from 'node:child_process';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
+import { cgroupMoveCheck } from '../../host/doctor/checks.ts';
 import { probeKvm } from '../../host/doctor/kvm-probe.ts';
 
 const env = { ...process.env };
@@ -21,7 +22,7 @@ test('doctor --json: every check, and the engine auto picks matches the KVM prob
   const r = cli('doctor', '--json');
   const rep = JSON.parse(r.stdout) as Report;
   const names = rep.checks.map((c) => c.name);
-  for (const n of ['node', '/dev/kvm', 'host kernel', 'cgroups', 'user namespaces', 'userfaultfd', 'store space', 'image tools', 'lab tools']) {
+  for (const n of ['node', '/dev/kvm', 'host kernel', 'cgroups', 'cgroup moves', 'user namespaces', 'userfaultfd', 'store space', 'image tools', 'lab tools']) {
     assert.ok(names.includes(n), `missing check ${n}: ${names.join(', ')}`);
   }
   for (const c of rep.checks) {
@@ -54,6 +55,23 @@ test('doctor --engine kvm fails where KVM cannot run; a bad engine is a clear er
   assert.is(bad.status, 2);
   assert.match(bad.stderr, 'unknown engine');
   assert.match(bad.stderr, 'fix:');
+});
+
+test("cgroup moves: favordynmods on any cgroup mount passes; off, a warning names the mount to remount", () => {
+  const hybrid = [
+    '25 24 0:22 / /sys/fs/cgroup ro,nosuid,nodev,noexec shared:9 - tmpfs tmpfs ro,mode=755',
+    '26 25 0:23 / /sys/fs/cgroup/unified rw,nosuid,nodev,noexec,relatime shared:10 - cgroup2 cgroup2 rw',
+    '28 25 0:25 / /sys/fs/cgroup/pids rw,nosuid,nodev,noexec,relatime shared:14 - cgroup cgroup rw,pids',
+  ];
+  const off = cgroupMoveCheck(hybrid.join('\n'));
+  assert.is(off.status, 'warn');
+  assert.match(off.fix ?? '', 'mount -o remount,favordynmods /sys/fs/cgroup/unified');
+  const on = cgroupMoveCheck(hybrid.map((l) => l.replace(/cgroup2 rw$/, 'cgroup2 rw,favordynmods')).join('\n'));
+  assert.is(on.status, 'pass');
+  assert.match(on.detail, '/sys/fs/cgroup/unified');
+  const v2 = cgroupMoveCheck('30 1 0:26 / /sys/fs/cgroup rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate,memory_recursiveprot');
+  assert.match(v2.fix ?? '', 'remount,favordynmods /sys/fs/cgroup ');
+  assert.is(cgroupMoveCheck('22 1 0:5 / /proc rw - proc proc rw').status, 'pass');
 });
 
 test.run();

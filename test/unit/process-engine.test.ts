@@ -80,6 +80,22 @@ test.after(async () => {
   rmSync(storePath('process-templates', `${TEMPLATE}.json`), { force: true });
 });
 
+test('prepare freezes the template and starts its fork server before any fork, once; a missing template is named', async () => {
+  const z = (engine as unknown as { zygotes: Map<string, { pid: number }> }).zygotes.get(TEMPLATE)!;
+  assert.equal(childrenOf(z.pid), [], 'no fork server before the first fork');
+  await engine.prepare(TEMPLATE);
+  const server = childrenOf(z.pid);
+  assert.is(server.length, 1, 'the fork server');
+  await engine.prepare(TEMPLATE);
+  assert.equal(childrenOf(z.pid), server, 'prepared once');
+  try {
+    await engine.prepare(`${TEMPLATE}-missing`);
+    assert.unreachable('a missing template is refused');
+  } catch (e) {
+    assert.match((e as Error).message, /does not exist/);
+  }
+});
+
 test('a child inherits the warm-up state and is PID 1 of its own namespaces', async () => {
   const [c] = await engine.fork(TEMPLATE, 1);
   const v = (await val(c!.agent, '(WARM["answer"], os.getpid(), socket.gethostname(), os.environ.get("FORKLING_PROCESS_ROLE"), open("/tmp/warm-file").read())')) as unknown[];

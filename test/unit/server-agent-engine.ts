@@ -76,6 +76,10 @@ export class AgentProcessEngine implements Engine {
     throw new UserError('the test agent engine has no templates beyond "default"');
   }
 
+  async prepare(template: string): Promise<void> {
+    if (template !== 'default') throw new UserError(`template ${JSON.stringify(template)} not found`);
+  }
+
   async fork(template: string, n: number): Promise<Sandbox[]> {
     if (template !== 'default') throw new UserError(`template ${JSON.stringify(template)} not found`);
     return Promise.all(Array.from({ length: n }, () => this.start()));

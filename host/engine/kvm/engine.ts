@@ -145,7 +145,17 @@ export class KvmEngine implements Engine {
     return createKvmTemplate((o) => this.boot({ ...o, ...boot }), { ...templateOpts, memoryMiB, vcpus });
   }
 
+  async prepare(template: string): Promise<void> {
+    await this.loaded(template);
+  }
+
   async fork(template: string, n: number): Promise<KvmSandbox[]> {
+    const { snapshot } = await this.loaded(template);
+    return this.track(await startChildren(snapshot, n, { prefix: 'vm', readyTimeoutMs: this.opts.childReadyTimeoutMs }));
+  }
+
+  /** The template, checked (its memory file's checksum once per process: cached); `default` made on first use. */
+  private async loaded(template: string): Promise<ReturnType<typeof loadTemplate>> {
     if (!templateExists(template)) {
       if (template !== 'default') loadTemplate(template); // throws "does not exist"
       let p = this.creatingTemplates.get(template);
@@ -155,8 +165,7 @@ export class KvmEngine implements Engine {
       }
       await p;
     }
-    const { snapshot } = loadTemplate(template);
-    return this.track(await startChildren(snapshot, n, { prefix: 'vm', readyTimeoutMs: this.opts.childReadyTimeoutMs }));
+    return loadTemplate(template);
   }
 
   async branch(source: Sandbox, n: number): Promise<KvmSandbox[]> {

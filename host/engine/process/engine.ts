@@ -81,6 +81,8 @@ interface Zygote extends Root {
   refilling: Promise<void> | null;
   /** Fork requests whose children may still be in the zygote's cgroup: two at a time (see chunks()). */
   requests: Gate;
+  /** The template frozen and the fork server started (a fork with no children): prepare(). */
+  prepared: Promise<void> | null;
 }
 
 /** At most n holders at a time, first come first served. */
@@ -622,7 +624,7 @@ export class ProcessEngine implements Engine {
       await this.destroyRoot(root);
       throw e;
     }
-    const z: Zygote = { ...root, info, client, limits, dead: false, spares: [], refilling: null, requests: new Gate(2) };
+    const z: Zygote = { ...root, info, client, limits, dead: false, spares: [], refilling: null, requests: new Gate(2), prepared: null };
     void client.closed.then(() => {
       z.dead = true;
       if (this.zygotes.get(info.name) === z) this.zygotes.delete(info.name);
@@ -664,6 +666,14 @@ export class ProcessEngine implements Engine {
       this.creating.set(template, p);
     }
     return p;
+  }
+
+  async prepare(template: string): Promise<void> {
+    this.checkOpen();
+    const z = await this.zygote(template);
+    // What the first fork would do: freeze the template, start the fork server.
+    z.prepared ??= z.client.request('fork', { children: [] }).then(() => {});
+    await z.prepared;
   }
 
   async fork(template: string, n: number): Promise<Sandbox[]> {
