@@ -500,7 +500,7 @@ class CaptureStream:
     def forked(self):
         """In a process os.fork() made: text not yet written is its own (none,
         or its parent's unfinished line, which the parent writes)."""
-        self._forked_lock = threading.Lock()
+        self._forked_lock = threading.RLock()
         self._forked_pending = []
         self._forked_chars = 0
 
@@ -519,6 +519,8 @@ class CaptureStream:
             # lines per write, as a terminal's Python does: print() writes the
             # text and its newline apart, and lines of concurrent workers (up to
             # PIPE_BUF) must not mix.
+            # (An RLock, and the text taken before the write: a signal handler or
+            # finaliser that prints while this write blocks runs in this thread.)
             with self._forked_lock:
                 self._forked_pending.append(text)
                 self._forked_chars += len(text)

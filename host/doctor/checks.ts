@@ -71,7 +71,8 @@ export function cgroupMounts(mountinfo: string): { at: string; favordynmods: boo
     const [fstype, , superOpts = ''] = (right ?? '').split(' ');
     if (fstype !== 'cgroup' && fstype !== 'cgroup2') continue;
     const at = left?.split(' ')[4];
-    if (at) out.push({ at: at.replace(/\\040/g, ' '), favordynmods: superOpts.split(',').includes('favordynmods') });
+    // (mountinfo escapes space, tab, newline and backslash as \ooo)
+    if (at) out.push({ at: at.replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(Number.parseInt(o, 8))), favordynmods: superOpts.split(',').includes('favordynmods') });
   }
   return out;
 }
@@ -93,7 +94,7 @@ export function cgroupMoveCheck(mountinfo = readText('/proc/self/mountinfo') ?? 
     name,
     status: 'warn',
     detail: 'favordynmods off: a fork waits ~10-20 ms (an RCU grace period) to move its first sandbox into its cgroup (process engine)',
-    fix: `as root, on Linux 6.0 or newer: mount -o remount,favordynmods ${v2.at} (makes cgroup moves quick host-wide; forks and exits cost a little more)`,
+    fix: `as root, on Linux 6.0 or newer: mount -o remount,favordynmods ${JSON.stringify(v2.at)} (makes cgroup moves quick host-wide; forks and exits cost a little more)`,
   };
 }
 

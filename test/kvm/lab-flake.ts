@@ -37,9 +37,10 @@ import { test } from 'uvu';
 
 /**
  * A test file's progress lines, stamped with seconds since it started; in the
- * lab also written to the kernel log at error level, which its console shows
- * at once (a file's own output comes only when it ends: if the lab freezes,
- * these say where).
+ * lab also written to its console at once (the file's own output comes only
+ * when it ends: if the lab freezes, these say where; whole lines through the
+ * tty, never cut by another's) and to the kernel log (which the lab prints
+ * when a run fails or hangs).
  */
 export function labProgress(file: string): (line: string) => void {
   const t0 = performance.now();
@@ -47,9 +48,11 @@ export function labProgress(file: string): (line: string) => void {
     const l = `[${file} +${((performance.now() - t0) / 1000).toFixed(1)}s] ${line}`;
     console.error(l);
     if (process.env.FORKLING_IN_LAB) {
-      try {
-        appendFileSync('/dev/kmsg', `<3>${l}\n`);
-      } catch {}
+      for (const dev of ['/dev/console', '/dev/kmsg']) {
+        try {
+          appendFileSync(dev, `${l}\n`);
+        } catch {}
+      }
     }
   };
 }

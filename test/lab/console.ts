@@ -15,8 +15,6 @@ export interface LabOutcome {
 
 const SUMMARY_RE = /^(\d+) passed, (\d+) failed$/;
 const KERNEL_LOG_RE = /^\[\s*\d+\.\d+\] /;
-/** A test file's progress line through the kernel log (labProgress in test/kvm/lab-flake.ts). */
-const PROGRESS_RE = /^\[\s*\d+\.\d+\] \[\S+ \+\d+\.\ds\] /;
 const SOFT_LOCKUP_RE = /^\[\s*\d+\.\d+\] watchdog: BUG: soft lockup - CPU#\d+ stuck for (\d+)s!/;
 
 export class LabConsole {
@@ -66,7 +64,7 @@ export class LabConsole {
   line(raw: string): void {
     // Serial output carries CRs and, at boot, escape sequences from the firmware.
     const line = raw.replace(/\r/g, '').replace(/\x1b\[[0-9;?]*[A-Za-z]/g, '');
-    if (!KERNEL_LOG_RE.test(line) || PROGRESS_RE.test(line)) this.lastLineAt = this.now();
+    if (!KERNEL_LOG_RE.test(line)) this.lastLineAt = this.now();
     const stuck = SOFT_LOCKUP_RE.exec(line);
     if (stuck) this.stuckS = Math.max(this.stuckS, Number(stuck[1]));
     this.tail.push(line);

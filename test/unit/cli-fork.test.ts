@@ -3,9 +3,14 @@
 import { spawnSync } from 'node:child_process';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
+import { ensureImage } from '../../host/images.ts';
+import { loud } from '../loud-hook.ts';
 
 const env = { ...process.env, FORKLING_ENGINE: 'process' };
 const cli = (...args: string[]) => spawnSync(process.execPath, ['bin/forkling.mjs', 'fork', ...args], { encoding: 'utf8', env, timeout: 120_000 });
+
+// The image first, without the CLI's time limit (a fresh store builds it: a minute or more).
+test.before(loud("the suite's set-up (test.before)", () => ensureImage('default')));
 
 test('fork --json: the template is loaded apart from the fork; every child answers; memory while alive', () => {
   const r = cli('default', '-n', '2', '--eval', 'print("hi")\n6 * 7', '--json');

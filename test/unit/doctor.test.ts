@@ -65,12 +65,14 @@ test("cgroup moves: favordynmods on any cgroup mount passes; off, a warning name
   ];
   const off = cgroupMoveCheck(hybrid.join('\n'));
   assert.is(off.status, 'warn');
-  assert.match(off.fix ?? '', 'mount -o remount,favordynmods /sys/fs/cgroup/unified');
+  assert.match(off.fix ?? '', 'mount -o remount,favordynmods "/sys/fs/cgroup/unified"');
   const on = cgroupMoveCheck(hybrid.map((l) => l.replace(/cgroup2 rw$/, 'cgroup2 rw,favordynmods')).join('\n'));
   assert.is(on.status, 'pass');
   assert.match(on.detail, '/sys/fs/cgroup/unified');
   const v2 = cgroupMoveCheck('30 1 0:26 / /sys/fs/cgroup rw,nosuid shared:4 - cgroup2 cgroup2 rw,nsdelegate,memory_recursiveprot');
-  assert.match(v2.fix ?? '', 'remount,favordynmods /sys/fs/cgroup ');
+  assert.match(v2.fix ?? '', 'remount,favordynmods "/sys/fs/cgroup" ');
+  const spaced = cgroupMoveCheck('31 1 0:27 / /mnt/my\\040cg rw - cgroup2 cgroup2 rw,favordynmods');
+  assert.match(spaced.detail, '/mnt/my cg');
   assert.is(cgroupMoveCheck('22 1 0:5 / /proc rw - proc proc rw').status, 'pass');
 });
 

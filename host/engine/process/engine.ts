@@ -672,7 +672,13 @@ export class ProcessEngine implements Engine {
     this.checkOpen();
     const z = await this.zygote(template);
     // What the first fork would do: freeze the template, start the fork server.
-    z.prepared ??= z.client.request('fork', { children: [] }).then(() => {});
+    z.prepared ??= z.client.request('fork', { children: [] }).then(
+      () => {},
+      (e) => {
+        z.prepared = null; // the next prepare (or fork) tries again
+        throw e;
+      },
+    );
     await z.prepared;
   }
 

@@ -218,13 +218,19 @@ void VirtioVsock::StartLoop() {
   stop_ = false;
   // A kick left pending by a stopped loop would swallow every later kick.
   kick_pending_ = false;
+  running_ = true;  // before the thread: a guest kick from now on reaches it
   try {
     thread_ = std::thread(&VirtioVsock::Loop, this);
   } catch (const std::system_error& e) {
+    running_ = false;
     FailDevice(std::string("cannot start the vsock device's thread: ") + e.what());
     return;
   }
-  running_ = true;
+  // A first pass whatever happened while the loop was stopped (a kick the last loop
+  // read together with its stop kick, work queued during a hold).
+  uint64_t one = 1;
+  ssize_t ignored = write(kick_fd_, &one, sizeof one);
+  (void)ignored;
 }
 
 void VirtioVsock::StopLoop() {
@@ -787,8 +793,7 @@ void VirtioVsock::ReadFromHost(Conn* c) {
     if (want == 0) {
       if (credit == 0 && !c->credit_requested && !c->credit_request_queued) {
         c->credit_requested = true;
-        c->credit_request_queued = true;
-        QueueControl(kVsockOpCreditRequest, 0, c);
+        c->credit_request_queued = QueueControl(kVsockOpCreditRequest, 0, c);
       }
       return;
     }
@@ -820,6 +825,8 @@ void VirtioVsock::ReadFromHost(Conn* c) {
       if (it->hdr.op != kVsockOpCreditRequest && it->hdr.op != kVsockOpCreditUpdate) break;
     }
     if (last && last->data.size() - last->off + static_cast<size_t>(n) <= kMaxPacketPayload) {
+      last->data.erase(0, last->off);  // (what was delivered goes: the packet stays bounded)
+      last->off = 0;
       last->data.append(read_buf_.data(), static_cast<size_t>(n));
     } else {
       Packet p;
@@ -906,10 +913,10 @@ void VirtioVsock::UpdateInterest(Conn* c) {
 
 // ---- device -> guest --------------------------------------------------------
 
-void VirtioVsock::QueueControl(uint16_t op, uint32_t flags, const Conn* c) {
+bool VirtioVsock::QueueControl(uint16_t op, uint32_t flags, const Conn* c) {
   if (rx_pending_control_ >= kMaxQueuedControl) {
     counters_.dropped_control++;
-    return;
+    return false;
   }
   Packet p;
   p.hdr = VsockHeader{kVsockHostCid, guest_cid_, c->host_port, c->guest_port, 0, kVsockTypeStream, op, flags,
@@ -918,6 +925,7 @@ void VirtioVsock::QueueControl(uint16_t op, uint32_t flags, const Conn* c) {
   if (op == kVsockOpRst) counters_.resets_sent++;
   rx_pending_control_++;
   rx_pending_.push_back(std::move(p));
+  return true;
 }
 
 void VirtioVsock::QueueRst(uint32_t host_port, uint32_t guest_port) {

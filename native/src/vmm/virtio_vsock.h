@@ -181,7 +181,8 @@ class VirtioVsock : public VirtioDevice {
   void ReadFromHost(Conn* c);
   void FlushToHost(Conn* c);
   void GuestConnect(const VsockHeader& h);
-  void QueueControl(uint16_t op, uint32_t flags, const Conn* c);
+  // False when dropped (the guest left kMaxQueuedControl waiting).
+  bool QueueControl(uint16_t op, uint32_t flags, const Conn* c);
   void QueueRst(uint32_t host_port, uint32_t guest_port);
   void ResetConn(Conn* c);  // RST to the guest, then close
   void CloseConn(Conn* c);
