@@ -7,7 +7,8 @@
 // interrupt or exception. QEMU 7.2's emulated #VMEXIT (do_vmexit in its
 // svm_helper.c) reports in EXITINTINFO only the event L1 injected, not one the
 // emulated CPU was delivering natively, and its double-fault bookkeeping runs
-// in the same paths: our suspect (not proven). Not seen outside the lab. Such
+// in the same paths: our suspect (not proven). Not seen outside the lab (a
+// restored tiny guest too, once, 2026-11-30: snapshot-vm.test.ts). Such
 // a boot or fork is retried once, loudly, so the lab tests what it can; a
 // second one fails the test (a benchmark of 100 children may allow more
 // tries: one in 100 children is enough to fail a fork; a test of children
