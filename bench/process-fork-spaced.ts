@@ -3,7 +3,7 @@
 // request 60 ms after the last ended; median and p90 of "all ready" (restore
 // answered) and "all answered" (a first eval). Template `default`. Prints
 // whether the host's cgroup moves are quick (favordynmods), which decides
-// most of a single fork's time here.
+// most of a single fork's time here, and the time the slowest move took.
 //   npx tsx bench/process-fork-spaced.ts [--n 1,10] [--rounds 40]
 import { cgroupMoveCheck } from '../host/doctor/checks.ts';
 import { ProcessEngine } from '../host/engine/process/engine.ts';
@@ -25,20 +25,22 @@ try {
   const t = performance.now();
   await engine.prepare('default');
   console.log(`template default loaded in ${(performance.now() - t).toFixed(0)} ms; cgroup moves: ${cgroupMoveCheck().detail}`);
-  console.log('    N | rounds | all ready: median, p90 ms | all answered: median, p90 ms');
+  console.log('    N | rounds | all ready: median, p90 ms | all answered: median, p90 ms | slowest cgroup move: median, p90 ms');
   for (const n of NS) {
     const ready: number[] = [];
     const answered: number[] = [];
+    const moves: number[] = [];
     for (let i = 0; i < ROUNDS; i++) {
       await new Promise((r) => setTimeout(r, 60));
       const t0 = performance.now();
       const kids = await engine.fork('default', n);
       ready.push(performance.now() - t0);
+      moves.push(engine.lastSpawn?.slowestMoveMs ?? 0);
       await Promise.all(kids.map((k) => k.agent.eval('1')));
       answered.push(performance.now() - t0);
       await Promise.all(kids.map((k) => k.kill()));
     }
-    console.log(`${String(n).padStart(5)} | ${String(ROUNDS).padStart(6)} | ${q(ready, 0.5).padStart(8)}, ${q(ready, 0.9).padStart(6)} | ${q(answered, 0.5).padStart(8)}, ${q(answered, 0.9).padStart(6)}`);
+    console.log(`${String(n).padStart(5)} | ${String(ROUNDS).padStart(6)} | ${q(ready, 0.5).padStart(8)}, ${q(ready, 0.9).padStart(6)} | ${q(answered, 0.5).padStart(8)}, ${q(answered, 0.9).padStart(6)} | ${q(moves, 0.5).padStart(8)}, ${q(moves, 0.9).padStart(6)}`);
   }
   const load = (await import('node:os')).loadavg().map((x) => x.toFixed(2));
   console.log(`load average: ${load.join(' ')}`);

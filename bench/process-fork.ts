@@ -158,7 +158,7 @@ try {
     const childCpu = kids.reduce((a, k) => a + cpuMs((k as unknown as { hostPid: number }).hostPid), 0);
     const cpu = `CPU per child: in the child ${(childCpu / n).toFixed(2)}, zygote and its fork server ${(zygoteCpu / n).toFixed(2)}, host process ${(hostCpu / n).toFixed(2)} (ms; kernel work done for a child counts in it)`;
     const ls = engine.lastSpawn!;
-    const split = `cgroups ${ls.cgroupsMs.toFixed(1)}, zygote reply ${ls.replyMs.toFixed(1)}, restored ${ls.readyMs.toFixed(1)}, child set-up median ${ls.childSetupMsMedian.toFixed(1)}`;
+    const split = `cgroups ${ls.cgroupsMs.toFixed(1)}, zygote reply ${ls.replyMs.toFixed(1)}, restored ${ls.readyMs.toFixed(1)}, child set-up median ${ls.childSetupMsMedian.toFixed(1)}, slowest move into a cgroup ${ls.slowestMoveMs.toFixed(1)}`;
     const priv = await Promise.all(kids.map(async (k) => (await k.stats()).privateKiB));
     const kidPids = kids.map((k) => (k as unknown as { hostPid: number }).hostPid);
     const uniq = kidPids.slice(0, 5).map((p, i) => uniqueKiB(p, [...zpids, kidPids[(i + 1) % kidPids.length]!].filter((x) => x !== p)));

@@ -782,6 +782,7 @@ export class ProcessEngine implements Engine {
     // While the parent forks: the children's cgroups.
     const cgroups = new Map<string, Cgroup | null>();
     const made: ProcessSandbox[] = [];
+    let slowestMoveMs = 0; // (the first move after a quiet spell may wait for an RCU grace period: doctor's "cgroup moves")
     try {
       for (const id of ids) cgroups.set(id, this.cgroups.create(id, limits));
       const cgroupsAt = performance.now();
@@ -796,7 +797,9 @@ export class ProcessEngine implements Engine {
             const hostPid = byNs.get(c.pid ?? -1);
             if (!ids.includes(c.id) || hostPid === undefined) throw new Error(`child ${c.id}: no such process under the ${op} parent`);
             const cg = cgroups.get(c.id) ?? null;
+            const moveAt = performance.now();
             if (cg) this.cgroups.enter(cg, hostPid);
+            slowestMoveMs = Math.max(slowestMoveMs, performance.now() - moveAt);
             const runDir = join(parentRunDir, sub, c.id);
             const link = join(this.dir, 'l', c.id);
             symlinkSync(runDir, link);
@@ -841,6 +844,7 @@ export class ProcessEngine implements Engine {
         replyMs: replyAt - startedAt,
         readyMs: performance.now() - startedAt,
         childSetupMsMedian: median(res.children.map((c) => c.setupMs ?? Number.NaN)),
+        slowestMoveMs,
       };
       const errors = [...failed.map((c) => `${c.id}: ${c.error ?? 'failed'}`), ...results.filter((r) => r.status === 'rejected').map((r) => String((r as PromiseRejectedResult).reason?.message ?? r))];
       if (errors.length) throw new UserError(`${op}: ${errors.length} of ${n} children failed: ${errors.slice(0, 3).join('; ')}`);
@@ -855,7 +859,7 @@ export class ProcessEngine implements Engine {
   }
 
   /** Where the time of the last fork or branch request went (benchmarks; a fork of more than 25 is several requests: the last one to finish): cgroups made, parent's reply (every child listening), all restored. */
-  lastSpawn: { n: number; cgroupsMs: number; replyMs: number; readyMs: number; childSetupMsMedian: number } | null = null;
+  lastSpawn: { n: number; cgroupsMs: number; replyMs: number; readyMs: number; childSetupMsMedian: number; slowestMoveMs: number } | null = null;
 
   warnLine(line: string): void {
     this.warn(line);
