@@ -228,6 +228,10 @@ void VirtioVsock::StartLoop() {
   }
   // A first pass whatever happened while the loop was stopped (a kick the last loop
   // read together with its stop kick, work queued during a hold).
+  WakeLoop();
+}
+
+void VirtioVsock::WakeLoop() {
   uint64_t one = 1;
   ssize_t ignored = write(kick_fd_, &one, sizeof one);
   (void)ignored;
@@ -236,9 +240,7 @@ void VirtioVsock::StartLoop() {
 void VirtioVsock::StopLoop() {
   if (!running_) return;
   stop_ = true;
-  uint64_t one = 1;
-  ssize_t ignored = write(kick_fd_, &one, sizeof one);
-  (void)ignored;
+  WakeLoop();
   thread_.join();
   running_ = false;
   stop_ = false;
@@ -343,9 +345,7 @@ void VirtioVsock::RestoreState(const GuestMemory& mem, const State& state, Notif
 
 void VirtioVsock::Kick() {
   if (!kick_pending_.exchange(true)) {
-    uint64_t one = 1;
-    ssize_t ignored = write(kick_fd_, &one, sizeof one);
-    (void)ignored;
+    WakeLoop();
   }
 }
 
@@ -364,9 +364,7 @@ bool VirtioVsock::Sync(int timeout_ms) {
   const uint64_t target = ++sync_requested_;
   l.unlock();
   // Not coalesced with kicks: the pass must start after sync_requested_ grew.
-  uint64_t one = 1;
-  ssize_t ignored = write(kick_fd_, &one, sizeof one);
-  (void)ignored;
+  WakeLoop();
   l.lock();
   return sync_cv_.wait_for(l, std::chrono::milliseconds(timeout_ms),
                            [&] { return sync_done_ >= target || !running_; });

@@ -167,6 +167,7 @@ class VirtioVsock : public VirtioDevice {
 
   void ClearRuntime();
   void StartLoop();
+  void WakeLoop();  // one write to kick_fd_: the loop's epoll_wait returns
   void StopLoop();
   void Loop();
   void Kick();
