@@ -38,6 +38,7 @@ import stat
 import struct
 import subprocess
 import sys
+import termios
 import threading
 import time
 import traceback
@@ -703,7 +704,7 @@ class FdCapture:
                 return
             for r, name in self.streams.items():
                 try:
-                    left = struct.unpack('i', fcntl.ioctl(r, _FIONREAD, b'\0\0\0\0'))[0]
+                    left = struct.unpack('i', fcntl.ioctl(r, termios.FIONREAD, b'\0\0\0\0'))[0]
                 except OSError:
                     continue
                 while left > 0:
@@ -759,7 +760,6 @@ class FdCapture:
         return set(self.streams) | set(self.writers)
 
 
-_FIONREAD = 0x541B
 # os.register_at_fork as it is before the process engine's hook wraps it for the warm-up
 # (the fork server need not run the agent's own handler in every fork: each opens its own pipes).
 _register_at_fork = os.register_at_fork

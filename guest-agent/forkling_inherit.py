@@ -64,6 +64,7 @@ import os
 import socket
 import stat
 import struct
+import termios
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -74,7 +75,6 @@ _PROT = {'r': 1, 'w': 2, 'x': 4}
 _REOPEN_FLAGS = (os.O_ACCMODE | os.O_APPEND | os.O_NONBLOCK | os.O_DSYNC | os.O_SYNC | os.O_DIRECT
                  | os.O_NOATIME | os.O_PATH)
 _SPLICE_F_NONBLOCK = 2
-_FIONREAD = 0x541B
 _EPOLL_CTL_ADD = 1
 _SO_TYPE, _SO_DOMAIN = 3, 39
 _MSG_PEEK, _MSG_DONTWAIT = 2, 0x40
@@ -455,7 +455,7 @@ def _rehome_pipe(fds, log):
     r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         if reads:
-            queued = struct.unpack('i', fcntl.ioctl(reads[0], _FIONREAD, struct.pack('i', 0)))[0]
+            queued = struct.unpack('i', fcntl.ioctl(reads[0], termios.FIONREAD, struct.pack('i', 0)))[0]
             if queued > 0:
                 try:
                     fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, max(queued, fcntl.fcntl(reads[0], fcntl.F_GETPIPE_SZ)))
@@ -487,7 +487,7 @@ def _sockopt(fd, opt):
 def _peek(fd):
     """The bytes queued at a socket, left there (no socket object: that would
     set the shared O_NONBLOCK under a default socket timeout)."""
-    n = struct.unpack('i', fcntl.ioctl(fd, _FIONREAD, struct.pack('i', 0)))[0]
+    n = struct.unpack('i', fcntl.ioctl(fd, termios.FIONREAD, struct.pack('i', 0)))[0]
     if n <= 0:
         return b''
     buf = ctypes.create_string_buffer(n)

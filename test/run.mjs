@@ -12,6 +12,7 @@ import { spawn, spawnSync } from 'node:child_process';
 import { accessSync, constants, existsSync, readFileSync, readdirSync } from 'node:fs';
 import { dirname, join, relative } from 'node:path';
 import { fileURLToPath } from 'node:url';
+import { KVM_FILE_LIMIT_S } from './limits.mjs';
 
 const root = dirname(dirname(fileURLToPath(import.meta.url)));
 const CI = process.env.CI === 'true';
@@ -176,7 +177,7 @@ async function runLab(title, labFilter) {
  */
 async function runKvm({ forceLab }) {
   if (kvmUsable() && !forceLab) {
-    await runFiles('KVM tests (directly: /dev/kvm is usable here)', listTests('test/kvm'), { parallel: 1, timeoutMs: 600_000 });
+    await runFiles('KVM tests (directly: /dev/kvm is usable here)', listTests('test/kvm'), { parallel: 1, timeoutMs: KVM_FILE_LIMIT_S * 1000 });
     await runLab('KVM lab smoke test (software-emulated machine with nested KVM)', 'kvm-raw');
     return;
   }
@@ -194,7 +195,7 @@ if (mode === 'all' || mode === 'unit') await runFiles('unit tests', listTests('t
 if (mode === 'all' || mode === 'unit') await runFiles('addon tests', listTests('test/native'));
 if (mode === 'all') await runKvm({ forceLab: false });
 if (mode === 'lab') await runKvm({ forceLab: true });
-if (mode === 'kvm-direct') await runFiles('KVM tests', listTests('test/kvm'), { parallel: 1, timeoutMs: 600_000 });
+if (mode === 'kvm-direct') await runFiles('KVM tests', listTests('test/kvm'), { parallel: 1, timeoutMs: KVM_FILE_LIMIT_S * 1000 });
 
 if (failures.length) console.log(`\nfailed: ${failures.join(', ')}`);
 console.log(`\n${passed} passed, ${failed} failed`);

@@ -33,6 +33,7 @@ import { ADDON_PATH } from '../../host/native.ts';
 import { storeRoot, writeFileAtomic } from '../../host/store.ts';
 import { distroKernel } from '../../images/kernel.ts';
 import { vmlinuxFromBzImage } from '../../images/vmlinux.ts';
+import { KVM_FILE_LIMIT_S } from '../limits.mjs';
 import { LabConsole, type LabStage } from './console.ts';
 import { baseInitramfs, runInitrd } from './initramfs.ts';
 
@@ -66,8 +67,6 @@ function writeSummary(s: Summary): void {
   writeFileAtomic(SUMMARY, `${JSON.stringify(s, null, 2)}\n`);
 }
 
-/** The inner suite's limit per test file in the lab (test/run.mjs, kvm-direct), in seconds. */
-const FILE_LIMIT_S = 600;
 
 let qemu: ChildProcess | undefined;
 function killQemu(): void {
@@ -171,7 +170,7 @@ async function main(startedAt: number): Promise<Summary> {
   // a CPU stuck in the lab's kernel for minutes (seen with a vCPU thread of ours under QEMU's
   // nested SVM: no kill reaches it, and the kernel's reports of it are all the console says).
   let frozen: string | null = null;
-  const silenceS = envInt('FORKLING_LAB_SILENCE_S', FILE_LIMIT_S + 90, 30);
+  const silenceS = envInt('FORKLING_LAB_SILENCE_S', KVM_FILE_LIMIT_S + 90, 30);
   const lockupS = envInt('FORKLING_LAB_LOCKUP_S', 180, 30);
   const watch = setInterval(() => {
     if (frozen || timedOut) return;
