@@ -14,7 +14,8 @@ export interface LabOutcome {
 }
 
 const SUMMARY_RE = /^(\d+) passed, (\d+) failed$/;
-const KERNEL_LOG_RE = /^\[\s*\d+\.\d+\] /;
+// (also as init.sh shows a soft lockup's report from dmesg: `kernel: [ ... ] ...`)
+const KERNEL_LOG_RE = /^(kernel: )?\[\s*\d+\.\d+\] /;
 const SOFT_LOCKUP_RE = /^\[\s*\d+\.\d+\] watchdog: BUG: soft lockup - CPU#\d+ stuck for (\d+)s!/;
 
 export class LabConsole {

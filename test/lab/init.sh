@@ -73,6 +73,19 @@ echo "LAB-STAGE mounted $(cut -d' ' -f1 /proc/uptime)"
 
 # Kernel messages stay in dmesg while the suite prints (the host parses the console).
 dmesg -n 1
+# But a CPU stuck in the kernel (soft lockup) reports only its first line at
+# that level; where it is stuck (registers, call trace) stays in dmesg. So the
+# first three such reports go to the console in full (kernel: ...), from
+# whichever CPU is still free: a lab that froze then says where.
+(
+	seen=0
+	while sleep 10; do
+		n=$(dmesg | grep -c 'soft lockup')
+		[ "$n" -gt "$seen" ] || continue
+		[ "$seen" -lt 3 ] && dmesg | awk -v n="$n" '/soft lockup/ { k++ } k == n' | head -n 60 | sed 's/^/kernel: /'
+		seen=$n
+	done
+) &
 dmesg_before=$(dmesg | wc -l)
 echo "LAB-NODE-START $(cut -d' ' -f1 /proc/uptime)"
 timeout -s KILL "$LAB_INNER_TIMEOUT" chroot /host /usr/bin/env -i \

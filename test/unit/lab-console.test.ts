@@ -76,6 +76,8 @@ test("console: the lab kernel's soft lockup reports tell a stuck CPU, and its lo
   con.feed('[  429.2] watchdog: BUG: soft lockup - CPU#1 stuck for 22s! [node:383]\n[  429.2] Call Trace:\n');
   assert.is(con.stuckS, 22);
   assert.is(con.lastLineAt, 100, 'kernel log lines do not count as output');
+  con.feed('kernel: [  429.2] watchdog: BUG: soft lockup - CPU#1 stuck for 22s! [node:383]\nkernel: [  429.2] RIP: 0010:svm_vcpu_run+0x1c\n');
+  assert.is(con.lastLineAt, 100, 'nor the full report init.sh shows from dmesg');
   con.feed('[  803.2] watchdog: BUG: soft lockup - CPU#1 stuck for 396s! [node:383]\n');
   con.feed('[  810.0] watchdog: BUG: soft lockup - CPU#0 stuck for 23s! [node:390]\n');
   assert.is(con.stuckS, 396);
