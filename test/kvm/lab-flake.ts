@@ -27,11 +27,13 @@
 // QEMU (seen in fork.test.ts's Linux reclaim test, now skipped in the lab, and
 // once in snapshot-vm.test.ts, 2026-11-30): after 690 s of silence the runner
 // boots the lab again for the unfinished files (LAB FROZEN), within the same
-// two reboots. Once (2026-11-30) node itself died of SIGILL inside the lab
-// ("trap invalid opcode" at an address in V8's generated code, exit 132, in
-// server-kvm.test.ts, which passed in every other run): not retried; if it comes
-// back, compare the CPU features V8 picks under TCG (the runner lists the ones
-// TCG lacks) with the lab's -cpu model.
+// two reboots. Twice (2026-11-30) node itself died of SIGILL inside the lab
+// ("trap invalid opcode" at an address in no file: V8's generated code, exit
+// 132, both times in server-kvm.test.ts, which passed in every other run): the
+// inner runner (test/run.mjs) now runs such a file once more (LAB SIGILL). The
+// cause is not known; QEMU 7.2's TCG, whose AVX support was new in 7.2, runs
+// the lab's user space too: a lab CPU model without AVX (FORKLING_LAB_CPU)
+// would be the next thing to try if it keeps coming.
 import { appendFileSync } from 'node:fs';
 import { basename } from 'node:path';
 import { test } from 'uvu';
