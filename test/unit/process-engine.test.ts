@@ -527,6 +527,20 @@ test('killing children frees their memory, files, processes and cgroups', async 
   assert.ok(anonFreed > 48 * 1024, `its heap went with it: AnonPages fell by ${anonFreed} KiB`);
 });
 
+test('a paused sandbox is killed at once: thawed first (a v1-frozen process holds its SIGKILL), cgroup removed', async () => {
+  const [c] = await engine.fork(TEMPLATE, 1);
+  const pid = hostPid(c!);
+  const cgDirs = (c as unknown as { cgroup: { dirs: string[] } | null }).cgroup?.dirs ?? [];
+  await c!.pause();
+  const t = performance.now();
+  await c!.kill();
+  // (the engine waits up to 2 s for a killed PID 1 to exit before it removes the cgroup anyway)
+  assert.ok(performance.now() - t < 1500, `kill took ${(performance.now() - t).toFixed(0)} ms: it waited out its exit`);
+  assert.is((await c!.exited).reason, 'killed');
+  assert.not.ok(alive(pid), 'the sandbox PID 1 is gone');
+  for (const d of cgDirs) assert.not.ok(existsSync(d), `cgroup ${d} removed`);
+});
+
 test('isolation: no host files, no other sandbox, no network', async () => {
   const [a, b] = await engine.fork(TEMPLATE, 2);
   const marker = `/tmp/forkling-host-marker-${randomBytes(4).toString('hex')}`;

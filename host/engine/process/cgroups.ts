@@ -21,6 +21,8 @@ export interface Cgroup {
   /** cgroup.procs of each hierarchy: write a pid to move that process in. */
   procs: string[];
   dirs: string[];
+  /** Frozen by freeze() and not thawed since (a v1-frozen process holds its SIGKILL until thawed). */
+  frozen?: boolean;
 }
 
 type Controller = 'memory' | 'pids' | 'cpu' | 'freezer';
@@ -248,10 +250,12 @@ export class CgroupTree {
       const d = cg.dirs.find((x) => x.startsWith(this.v1.get('freezer')!));
       if (!d) return false;
       writeFileSync(join(d, 'freezer.state'), frozen ? 'FROZEN' : 'THAWED');
+      cg.frozen = frozen;
       return true;
     }
     if (this.mode === 'v2' && cg.dirs[0]) {
       writeFileSync(join(cg.dirs[0], 'cgroup.freeze'), frozen ? '1' : '0');
+      cg.frozen = frozen;
       return true;
     }
     return false;
@@ -282,7 +286,7 @@ export class CgroupTree {
     const left: string[] = [];
     for (const d of cg.dirs) {
       try {
-        if (d.startsWith(this.v1.get('freezer') ?? '\0')) {
+        if (cg.frozen && d.startsWith(this.v1.get('freezer') ?? '\0')) {
           try {
             writeFileSync(join(d, 'freezer.state'), 'THAWED');
           } catch {}
