@@ -14,6 +14,7 @@ import { type AgentClient, connectUnix } from '../../agent/client.ts';
 import { checkName, UserError } from '../../errors.ts';
 import { ensureImage } from '../../images.ts';
 import { storePath, writeFileAtomic } from '../../store.ts';
+import { envFlag, envWhole } from '../../util/env.ts';
 import { pollUntil } from '../../util/poll.ts';
 import type { BootOptions, Engine, ExitInfo, Sandbox, SandboxStats, TemplateInfo, TemplateOptions } from '../engine.ts';
 import { type Cgroup, type CgroupLimits, CgroupTree } from './cgroups.ts';
@@ -33,6 +34,8 @@ const DEFAULT_MEMORY_MIB = 512;
 const DEFAULT_PIDS = 512;
 /** How long a killed sandbox's PID 1 is waited for before its cgroup's removal is tried anyway (and retried). */
 const EXIT_WAIT_MS = 2000;
+/** Most spare forks per template (each holds a child's memory). */
+const MAX_SPARES = 1024;
 /** Children per fork request to a zygote (measured: 25 beat 10, 50 and one request for 100 on 2 cores). */
 const FORK_CHUNK = 25;
 
@@ -424,8 +427,11 @@ export class ProcessEngine implements Engine {
     this.warn = opts.warn ?? ((l) => console.error(l));
     this.rootfsOf = opts.rootfsOf ?? (async (image) => (await ensureImage(image)).rootfs);
     this.pidsPerSandbox = opts.pidsPerSandbox ?? DEFAULT_PIDS;
-    this.spareTarget = Math.max(0, Math.min(1024, Math.floor(opts.spares ?? Number(process.env.FORKLING_PROCESS_SPARES ?? 0)) || 0));
-    this.ksm = opts.ksm ?? process.env.FORKLING_PROCESS_KSM === '1';
+    if (opts.spares !== undefined && !(Number.isInteger(opts.spares) && opts.spares >= 0 && opts.spares <= MAX_SPARES)) {
+      throw new UserError(`spares: ${opts.spares} is not a whole number from 0 to ${MAX_SPARES}`, 'give the number of forks to keep ready per template, e.g. 8');
+    }
+    this.spareTarget = opts.spares ?? envWhole('FORKLING_PROCESS_SPARES', 0, 0, MAX_SPARES);
+    this.ksm = opts.ksm ?? envFlag('FORKLING_PROCESS_KSM');
     if (this.ksm && ksmRun() !== '1') {
       this.warn(`forkling: KSM sharing asked for, but the host's KSM is not running (/sys/kernel/mm/ksm/run = ${ksmRun() ?? 'absent'}): no effect until it is`);
     }
