@@ -31,6 +31,7 @@ import { UserError } from '../../host/errors.ts';
 import { ensureImage } from '../../host/images.ts';
 import { ADDON_PATH } from '../../host/native.ts';
 import { storeRoot, writeFileAtomic } from '../../host/store.ts';
+import { envWhole } from '../../host/util/env.ts';
 import { distroKernel } from '../../images/kernel.ts';
 import { vmlinuxFromBzImage } from '../../images/vmlinux.ts';
 import { KVM_FILE_LIMIT_S } from '../limits.mjs';
@@ -51,14 +52,6 @@ interface Summary {
 
 /** Every console line of the current lab boot (to recover from a crash of the lab itself). */
 let consoleLog: string[] = [];
-
-function envInt(name: string, def: number, min: number): number {
-  const v = process.env[name];
-  if (v === undefined || v === '') return def;
-  const n = Number(v);
-  if (!Number.isInteger(n) || n < min) throw new UserError(`${name}=${v} is not a whole number >= ${min}`, `unset it or set e.g. ${name}=${def}`);
-  return n;
-}
 
 const say = (line: string) => process.stdout.write(`[lab] ${line}\n`);
 
@@ -85,9 +78,9 @@ for (const sig of ['SIGINT', 'SIGTERM', 'SIGHUP'] as const) {
 }
 
 async function main(startedAt: number): Promise<Summary> {
-  const timeoutS = envInt('FORKLING_LAB_TIMEOUT_S', 1800, 30);
-  const memMb = envInt('FORKLING_LAB_MEM_MB', 6144, 1024);
-  const cpus = envInt('FORKLING_LAB_CPUS', 2, 1);
+  const timeoutS = envWhole('FORKLING_LAB_TIMEOUT_S', 1800, 30, 86400);
+  const memMb = envWhole('FORKLING_LAB_MEM_MB', 6144, 1024, 1 << 20);
+  const cpus = envWhole('FORKLING_LAB_CPUS', 2, 1, 64);
   const cpu = process.env.FORKLING_LAB_CPU || 'EPYC,+svm,+npt';
   const accel = process.env.FORKLING_LAB_ACCEL || 'tcg';
   const fail = (why: string): Summary => ({ startedAt, passed: 0, failed: 1, failures: [why] });
@@ -170,8 +163,8 @@ async function main(startedAt: number): Promise<Summary> {
   // a CPU stuck in the lab's kernel for minutes (seen with a vCPU thread of ours under QEMU's
   // nested SVM: no kill reaches it, and the kernel's reports of it are all the console says).
   let frozen: string | null = null;
-  const silenceS = envInt('FORKLING_LAB_SILENCE_S', KVM_FILE_LIMIT_S + 90, 30);
-  const lockupS = envInt('FORKLING_LAB_LOCKUP_S', 180, 30);
+  const silenceS = envWhole('FORKLING_LAB_SILENCE_S', KVM_FILE_LIMIT_S + 90, 30, 86400);
+  const lockupS = envWhole('FORKLING_LAB_LOCKUP_S', 180, 30, 86400);
   const watch = setInterval(() => {
     if (frozen || timedOut) return;
     if (con.stuckS >= lockupS) frozen = `a CPU of the lab was stuck in its kernel for ${con.stuckS}s (soft lockup; FORKLING_LAB_LOCKUP_S=${lockupS})`;
@@ -272,7 +265,7 @@ function finishedFiles(lines: string[]): Map<string, { total: number; passed: nu
  * that froze it is run again, so one that does it every time still fails).
  */
 async function rerunAfterLabCrash(first: Summary, startedAt: number): Promise<Summary> {
-  const reboots = envInt('FORKLING_LAB_CRASH_REBOOTS', 2, 0);
+  const reboots = envWhole('FORKLING_LAB_CRASH_REBOOTS', 2, 0, 10);
   const filter = process.env.FORKLING_TEST_FILTER ? new RegExp(process.env.FORKLING_TEST_FILTER) : null;
   const all = readdirSync(join(REPO, 'test', 'kvm'))
     .filter((f) => f.endsWith('.test.ts'))
