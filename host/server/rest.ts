@@ -41,6 +41,15 @@ function bytesFromJson(schema: TSchema, args: Record<string, unknown>): string |
   return null;
 }
 
+/** The request's URL, or null when its target is no valid path (e.g. `//[`: new URL throws). */
+export function requestUrl(req: IncomingMessage): URL | null {
+  try {
+    return new URL(req.url ?? '/', 'http://localhost');
+  } catch {
+    return null;
+  }
+}
+
 function isObject(x: unknown): x is Record<string, unknown> {
   return typeof x === 'object' && x !== null && !Array.isArray(x);
 }
@@ -56,7 +65,11 @@ export class RestApi {
   ) {}
 
   handle(req: IncomingMessage, res: ServerResponse): void {
-    const url = new URL(req.url ?? '/', 'http://localhost');
+    const url = requestUrl(req);
+    if (!url) {
+      this.fail(res, new ServiceError('bad_request', `the request target ${JSON.stringify(req.url)} is not a valid path`));
+      return;
+    }
     const t0 = performance.now();
     this.inFlight++;
     let label = 'unknown';
@@ -102,7 +115,16 @@ export class RestApi {
     }
     if (this.draining) throw new ServiceError('shutting_down', 'the server is shutting down');
 
-    const seg = path.split('/').slice(1).map(decodeURIComponent);
+    const seg = path
+      .split('/')
+      .slice(1)
+      .map((x) => {
+        try {
+          return decodeURIComponent(x);
+        } catch {
+          throw new ServiceError('bad_request', `the path segment ${JSON.stringify(x)} is not valid percent-encoding (UTF-8 bytes as %XX)`);
+        }
+      });
     const allow = (methods: string[]) => {
       if (!methods.includes(method)) {
         res.setHeader('Allow', methods.join(', '));

@@ -13,7 +13,7 @@ import { presentedToken, type TokenAuth } from './auth.ts';
 import type { ServerContext } from './context.ts';
 import { memAvailableBytesSync } from './meminfo.ts';
 import { buildOpenApi } from './openapi.ts';
-import { RestApi } from './rest.ts';
+import { RestApi, requestUrl } from './rest.ts';
 import { WsSession } from './ws-session.ts';
 
 export interface ServerOptions {
@@ -127,16 +127,22 @@ export class ForklingServer {
 
   private onUpgrade(req: IncomingMessage, socket: Duplex, head: Buffer): void {
     socket.on('error', () => {});
-    const url = new URL(req.url ?? '/', 'http://localhost');
-    const refuse = (status: number, text: string) => {
-      const body = JSON.stringify({ error: { code: status === 401 ? 'unauthorized' : 'not_found', message: text } });
+    const refuse = (status: 400 | 401 | 403 | 404 | 503, text: string) => {
+      const code = { 400: 'bad_request', 401: 'unauthorized', 403: 'permission_denied', 404: 'not_found', 503: 'shutting_down' }[status];
+      const reason = { 400: 'Bad Request', 401: 'Unauthorized', 403: 'Forbidden', 404: 'Not Found', 503: 'Service Unavailable' }[status];
+      const body = JSON.stringify({ error: { code, message: text } });
       socket.end(
-        `HTTP/1.1 ${status} ${status === 401 ? 'Unauthorized' : status === 503 ? 'Service Unavailable' : 'Not Found'}\r\n` +
+        `HTTP/1.1 ${status} ${reason}\r\n` +
           `Content-Type: application/json\r\nContent-Length: ${Buffer.byteLength(body)}\r\nConnection: close\r\n` +
           (status === 401 ? 'WWW-Authenticate: Bearer\r\n' : '') +
           `\r\n${body}`,
       );
     };
+    const url = requestUrl(req);
+    if (!url) {
+      refuse(400, `the request target ${JSON.stringify(req.url)} is not a valid path; use /v1/ws`);
+      return;
+    }
     if (url.pathname !== '/v1/ws') {
       refuse(404, `no WebSocket endpoint at ${url.pathname}; use /v1/ws`);
       return;

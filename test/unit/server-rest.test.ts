@@ -316,6 +316,33 @@ test('bad input over REST: one clear error each, documented', async () => {
   await call('DELETE', '/v1/sandboxes/{id}', p);
 });
 
+/** One raw HTTP/1.1 request (targets fetch() would refuse to send); the status line back. */
+async function rawStatus(request: string): Promise<string> {
+  const { connect } = await import('node:net');
+  const u = new URL(srv.url);
+  return new Promise((resolve, reject) => {
+    const sock = connect(Number(u.port), u.hostname, () => sock.write(request));
+    let got = '';
+    sock.on('data', (d) => {
+      got += d;
+    });
+    sock.on('error', reject);
+    sock.on('close', () => resolve(got.split('\r\n')[0] ?? ''));
+  });
+}
+
+test('a request target that is no valid URL, or a bad %-escape in a path, is 400: the server goes on', async () => {
+  // (new URL('//[', base) throws: it killed the server, before any token was checked)
+  assert.match(await rawStatus('GET //[ HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n'), / 400 /);
+  const upgrade = 'Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n';
+  assert.match(await rawStatus(`GET //[ HTTP/1.1\r\nHost: x\r\n${upgrade}\r\n`), / 400 /);
+  const pct = await fetch(`${srv.url}/v1/sandboxes/%E0`, { headers: { authorization: `Bearer ${TOKEN}` } });
+  assert.is(pct.status, 400);
+  assert.match(await pct.text(), 'percent-encoding');
+  const ok = await call('GET', '/v1/sandboxes', {});
+  assert.is(ok.status, 200);
+});
+
 test('/metrics is Prometheus text with sandboxes, forks, branches, latencies, memory', async () => {
   const r = await call('GET', '/metrics');
   const t = r.text;
