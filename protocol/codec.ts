@@ -17,7 +17,10 @@ const packr = new Packr({
   variableMapSize: true, // fixmap for small maps: compact, and what the Python side writes
   int64AsType: AUTO, // numbers where exact, bigint beyond 2^53
 });
-const unpackr = new Unpackr({ useRecords: false, mapsAsObjects: true, int64AsType: AUTO });
+// structuredClone: false: msgpackr otherwise reads its own extensions 0x69/0x70
+// (object ids and back-references), with which a peer builds a value that
+// contains itself; such a value sent on would recurse without end.
+const unpackr = new Unpackr({ useRecords: false, mapsAsObjects: true, int64AsType: AUTO, structuredClone: false });
 
 /** Encodes one frame (a plain object) as a msgpack payload, without length prefix. */
 export function encodeFrame(frame: object): Uint8Array {
@@ -55,12 +58,33 @@ function wideInts(x: unknown): unknown {
   return out ?? x;
 }
 
-/** Decodes one msgpack payload. Throws on malformed msgpack or trailing bytes. */
+/**
+ * Deepest nesting of maps and arrays a frame may have (the frame's own map
+ * counts as 1). Deeper values would decode here but not encode again (both
+ * recurse): a server passing a sandbox's answer on would fail.
+ */
+export const MAX_NESTING = 128;
+
+/** Throws if `x` nests maps and arrays deeper than MAX_NESTING (without recursion). */
+function checkNesting(x: unknown): void {
+  const stack: [unknown, number][] = [[x, 1]];
+  while (stack.length) {
+    const [v, depth] = stack.pop()!;
+    if (typeof v !== 'object' || v === null || v instanceof Uint8Array) continue;
+    if (depth > MAX_NESTING) throw new Error(`maps and arrays nested deeper than ${MAX_NESTING}`);
+    for (const c of Array.isArray(v) ? v : Object.values(v)) {
+      if (typeof c === 'object' && c !== null && !(c instanceof Uint8Array)) stack.push([c, depth + 1]);
+    }
+  }
+}
+
+/** Decodes one msgpack payload. Throws on malformed msgpack, trailing bytes, or nesting deeper than MAX_NESTING. */
 export function decodeFrame(payload: Uint8Array): unknown {
   const values = unpackr.unpackMultiple(payload) as unknown[];
   if (values.length !== 1) throw new Error(`expected one msgpack value, found ${values.length}`);
   // msgpackr returns a marker for the never-used byte 0xc1 instead of failing
   if (values[0] === C1) throw new Error('byte 0xc1 is not valid msgpack');
+  checkNesting(values[0]);
   return values[0];
 }
 

@@ -279,7 +279,13 @@ export class AgentClient {
     try {
       x = decodeFrame(payload);
     } catch (e) {
-      this.stray({ t: 'err', id: null, code: 'bad_frame', message: `undecodable frame from the agent: ${(e as Error).message}` });
+      // Which request it answered is unknown, so that request would wait forever: an agent that
+      // sends what is not msgpack (or uses msgpackr's back-references) is broken or hostile, and
+      // the connection ends (for an engine, the sandbox with it).
+      const why = `undecodable frame from the agent: ${(e as Error).message}`;
+      this.stray({ t: 'err', id: null, code: 'bad_frame', message: why });
+      this.onClosed(new AgentError('bad_response', why));
+      this.stream.destroy();
       return;
     }
     const v = validateFrame(x, ['res', 'ev', 'err']);

@@ -254,7 +254,22 @@ export class WsSession {
       this.ws.close(1008, 'client too slow: more than 256 MiB unsent');
       return;
     }
-    this.ws.send(encodeFrame(frame), { binary: true });
+    let bytes: Uint8Array;
+    try {
+      bytes = encodeFrame(frame);
+    } catch (e) {
+      // A value from a sandbox that cannot be encoded (too deep): that request ends with
+      // `internal`, the session goes on (this ran in promise callbacks: a throw here was fatal).
+      this.ctx.log(`ws: a ${String(frame.t)} frame for request ${String(frame.id)} could not be encoded: ${(e as Error).message}`);
+      if (frame.t === 'err' || typeof frame.id !== 'number') return;
+      const entry = this.open.get(frame.id);
+      if (entry) {
+        this.open.delete(frame.id);
+        entry.call?.cancel();
+      } else if (frame.t !== 'res') return; // (an event of a request that already ended)
+      bytes = encodeFrame({ t: 'err', id: frame.id, code: 'internal', message: 'the answer could not be encoded (logged by the server)' });
+    }
+    this.ws.send(bytes, { binary: true });
   }
 
   /** Heartbeat: true when the client answered the previous ping (else it is dropped). */

@@ -8,6 +8,7 @@ import * as assert from 'uvu/assert';
 import { AgentClient, AgentError } from '../../host/agent/client.ts';
 import {
   decodeFrame,
+  MAX_NESTING,
   encodeFrame,
   encodePrefixed,
   FrameReader,
@@ -69,6 +70,19 @@ test('codec: malformed payloads throw', () => {
   assert.throws(() => decodeFrame(fromHex('c1')));
   assert.throws(() => decodeFrame(fromHex('81a161')), 'truncated map');
   assert.throws(() => decodeFrame(fromHex('0101')), 'two values');
+  // msgpackr's own object-id and back-reference extensions (0x69, 0x70): a map {v: [<itself>]}
+  // would decode to a value that contains itself (encoding it again recursed until the server died)
+  assert.throws(() => decodeFrame(fromHex('81a176d66900000001' + '91d67000000001')), /Structured clone/);
+  // nesting: MAX_NESTING levels of maps and arrays decode, one more does not (such a value
+  // would not encode again: passing on a sandbox's answer failed)
+  const nest = (levels: number) => {
+    const b = new Uint8Array(levels + 1).fill(0x91);
+    b[levels] = 0;
+    return b;
+  };
+  assert.ok(Array.isArray(decodeFrame(nest(MAX_NESTING))));
+  assert.throws(() => decodeFrame(nest(MAX_NESTING + 1)), /nested deeper than 128/);
+  assert.throws(() => decodeFrame(nest(100_000)));
 });
 
 test('FrameReader: frames split at every byte boundary and several per chunk', () => {
@@ -250,16 +264,25 @@ test('client: err frames reject with code and details; hostile responses are ref
   assert.is(e3.code, 'bad_response');
   await a.tick();
   assert.ok(a.sent.some((f) => f['t'] === 'cancel' && f['id'] === 3), 'a refused stream is cancelled at the agent');
-  a.stream.push(lengthPrefix(3));
-  a.stream.push(fromHex('c1c1c1'));
   a.reply({ t: 'res', id: 99, x: 1 });
   a.reply({ t: 'err', id: 3, code: 'cancelled', message: 'late answer to a request we cancelled: expected, not stray' });
   a.reply({ t: 'err', id: null, code: 'bad_frame', message: 'm' });
   await a.tick();
   assert.equal(
     a.strays.map((f) => f['code'] ?? 'late'),
-    ['bad_frame', 'late', 'bad_frame'],
+    ['late', 'bad_frame'],
   );
+  // What is not msgpack: which request it answered is unknown (it would wait forever), so the
+  // connection ends and what is pending fails.
+  const waiting = a.client.ping().catch((e) => e);
+  a.stream.push(lengthPrefix(3));
+  a.stream.push(fromHex('c1c1c1'));
+  await a.tick();
+  assert.is(a.strays.at(-1)?.['code'], 'bad_frame');
+  const e4 = (await waiting) as AgentError;
+  assert.is(e4.code, 'bad_response');
+  assert.match(e4.message, /undecodable frame from the agent/);
+  assert.is(((await a.client.ping().catch((e) => e)) as AgentError).code, 'bad_response', 'closed for good');
 });
 
 test('client: timeout and abort cancel at the agent; close rejects what is pending', async () => {

@@ -1,0 +1,189 @@
+// The server against a hostile agent (what a sandbox's agent answers is
+// untrusted input): answers the server cannot pass on end that request with
+// an error, and the server and the session go on. A fake engine hands out
+// one sandbox whose "agent" is a socket server of this test.
+import { mkdtempSync, rmSync } from 'node:fs';
+import { createServer, connect, type Server, type Socket } from 'node:net';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
+import { test } from 'uvu';
+import * as assert from 'uvu/assert';
+import WebSocket from 'ws';
+import { AgentClient } from '../../host/agent/client.ts';
+import type { Engine, ExitInfo, Sandbox } from '../../host/engine/engine.ts';
+import { callAgentClient } from '../../host/server/agent-bridge.ts';
+import type { CallAgent } from '../../host/server/bridge.ts';
+import { createContext } from '../../host/server/context.ts';
+import { SandboxManager } from '../../host/server/manager.ts';
+import { ForklingServer } from '../../host/server/server.ts';
+import { ServerMetrics } from '../../host/server/telemetry.ts';
+import { decodeFrame, encodeFrame, FrameReader, lengthPrefix, MAX_NESTING } from '../../protocol/codec.ts';
+
+const dir = mkdtempSync(join(tmpdir(), 'forkling-hostile-agent-'));
+const sockPath = join(dir, 'agent.sock');
+
+/** An eval answer whose value is `valueBytes` (raw msgpack), else well formed. */
+function evalAnswer(id: number, valueBytes: Uint8Array): Uint8Array {
+  const base = encodeFrame({ t: 'res', id, repr: '', type: '', timedOut: false, durationMs: 0, value: 0 });
+  // the map's last value is `value: 0` (one byte, 0x00): replaced by the raw bytes
+  const out = new Uint8Array(base.length - 1 + valueBytes.length);
+  out.set(base.subarray(0, base.length - 1));
+  out.set(valueBytes, base.length - 1);
+  return out;
+}
+
+const nested = (depth: number) => {
+  const b = new Uint8Array(depth + 1).fill(0x91); // [[[...0...]]]
+  b[depth] = 0;
+  return b;
+};
+
+/** What the fake agent answers to eval code: a raw value, or a normal number. */
+function valueFor(code: string): Uint8Array {
+  if (code === 'cyclic') return Uint8Array.from([0xd6, 0x69, 0, 0, 0, 1, 0x91, 0xd6, 0x70, 0, 0, 0, 1]); // msgpackr's id + back-reference
+  if (code === 'deep') return nested(MAX_NESTING + 1); // (deeper would decode here but not encode again)
+  return Uint8Array.of(Number(code)); // (a small number: msgpack's positive fixint is the byte itself)
+}
+
+let agentServer: Server;
+let forks = 0;
+let server: { srv: ForklingServer; url: string };
+let url = '';
+const logs: string[] = [];
+
+async function startServer(engine: Engine, callAgent: CallAgent): Promise<{ srv: ForklingServer; url: string }> {
+  const metrics = new ServerMetrics();
+  const manager = new SandboxManager({ engine, metrics, memorySampleMs: 0 });
+  const ctx = createContext({ manager, metrics, maxInFlight: 16, callAgent, log: (l) => logs.push(l) });
+  const srv = new ForklingServer({ ctx, auth: null });
+  return { srv, url: (await srv.listen('127.0.0.1', 0)).url };
+}
+
+/** A WebSocket session that has said hello: ask() sends a request and resolves with its answer. */
+async function session(serverUrl: string) {
+  const ws = new WebSocket(`${serverUrl.replace('http', 'ws')}/v1/ws`, ['forkling.v1']);
+  const waiters = new Map<number, (f: Record<string, unknown>) => void>();
+  ws.on('message', (d: Buffer) => {
+    const f = decodeFrame(d) as Record<string, unknown>;
+    waiters.get(f.id as number)?.(f);
+  });
+  await new Promise((r) => ws.once('open', r));
+  let n = 0;
+  const ask = (f: Record<string, unknown>) =>
+    new Promise<Record<string, unknown>>((resolve) => {
+      const id = ++n;
+      waiters.set(id, resolve);
+      ws.send(encodeFrame({ ...f, t: 'req', id }));
+    });
+  assert.is((await ask({ op: 'hello', versions: [1] })).t, 'res');
+  return { ask, close: () => ws.close() };
+}
+
+/** An engine whose every sandbox's agent is a connection to the fake agent above. */
+function makeEngine(): Engine {
+  return {
+    name: 'process',
+    isolation: 'a fake engine for tests',
+    async fork(): Promise<Sandbox[]> {
+      const sock = connect(sockPath);
+      await new Promise((r) => sock.once('connect', r));
+      let ended: (e: ExitInfo) => void = () => {};
+      const exited = new Promise<ExitInfo>((r) => {
+        ended = r;
+      });
+      const sb = {
+        id: `hostile${++forks}`,
+        engine: 'process',
+        agent: new AgentClient(sock),
+        timings: { startedAt: 0, readyAt: 0 },
+        console: [],
+        exited,
+        async kill() {
+          sb.agent.close();
+          ended({ reason: 'killed' });
+        },
+        async stats() {
+          return { privateKiB: 0, counters: {} };
+        },
+        async pause() {},
+        async resume() {},
+      };
+      return [sb as unknown as Sandbox];
+    },
+    async close() {},
+  } as unknown as Engine;
+}
+
+test.before(async () => {
+  agentServer = createServer((s: Socket) => {
+    const r = new FrameReader({
+      payload: (p) => {
+        const f = decodeFrame(p) as { t: string; id: number; op: string; code?: string };
+        if (f.t !== 'req') return;
+        const bytes = f.op === 'eval' ? evalAnswer(f.id, valueFor(f.code ?? '0')) : encodeFrame({ t: 'err', id: f.id, code: 'unknown_op', message: 'fake' });
+        s.write(lengthPrefix(bytes.length));
+        s.write(bytes);
+      },
+      oversize() {},
+    });
+    s.on('data', (c) => r.push(c));
+    s.on('error', () => {});
+  });
+  await new Promise<void>((r) => agentServer.listen(sockPath, r));
+  server = await startServer(makeEngine(), callAgentClient);
+  url = server.url;
+});
+
+test.after(async () => {
+  await server.srv.shutdown(500);
+  agentServer.close();
+  rmSync(dir, { recursive: true, force: true });
+});
+
+test('an agent that answers what the host does not decode (nested too deep, a value that contains itself) ends its connection; the server and the session go on', async () => {
+  const { ask, close } = await session(url);
+  assert.is((await ask({ op: 'sandbox.create' })).t, 'res');
+  for (const [code, sandbox] of [
+    ['deep', 'hostile1'],
+    ['cyclic', 'hostile2'],
+  ] as const) {
+    assert.is((await ask({ op: 'sandbox.create' })).t, 'res');
+    assert.is((await ask({ op: 'eval', sandbox, code: '7' })).value, 7);
+    const bad = await ask({ op: 'eval', sandbox, code });
+    assert.is(bad.t, 'err', JSON.stringify(bad).slice(0, 200));
+    assert.match(String(bad.message), /undecodable frame from the agent/);
+    const after = await ask({ op: 'eval', sandbox, code: '7' });
+    assert.is(after.t, 'err', `${code}: the connection to that agent is closed`);
+  }
+  // The server and the session go on.
+  assert.is((await ask({ op: 'sandbox.create' })).t, 'res');
+  assert.is((await ask({ op: 'eval', sandbox: 'hostile3', code: '8' })).value, 8);
+  close();
+});
+
+test('an answer the server cannot encode ends that request with internal; the session goes on', async () => {
+  // (a decoded agent answer always encodes again: MAX_NESTING; this checks the guard behind it)
+  const calls = new Map<string, number>();
+  const callAgent: CallAgent = (_sb, _op, args) => {
+    const code = String(args.code);
+    calls.set(code, (calls.get(code) ?? 0) + 1);
+    const value = code === 'huge' ? 10n ** 30n : Number(code); // no msgpack integer holds 10^30
+    return { done: Promise.resolve({ repr: '', type: '', timedOut: false, durationMs: 0, value }), send() {}, cancel() {} };
+  };
+  const second = await startServer(makeEngine(), callAgent);
+  try {
+    const { ask, close } = await session(second.url);
+    assert.is((await ask({ op: 'sandbox.create' })).t, 'res');
+    const sandbox = `hostile${forks}`;
+    const bad = await ask({ op: 'eval', sandbox, code: 'huge' });
+    assert.is(bad.t, 'err');
+    assert.is(bad.code, 'internal');
+    assert.ok(logs.some((l) => /could not be encoded/.test(l)), logs.join('\n'));
+    assert.is((await ask({ op: 'eval', sandbox, code: '9' })).value, 9);
+    close();
+  } finally {
+    await second.srv.shutdown(500);
+  }
+});
+
+test.run();
