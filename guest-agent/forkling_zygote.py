@@ -67,7 +67,7 @@ READY_TIMEOUT_S = 30.0
 # What this process is: 'zygote' (started by the host), 'sandbox' (a child), or None (not the process engine).
 ROLE = os.environ.get('FORKLING_PROCESS_ROLE')
 STATE = {
-    'base_fd': None,   # O_PATH fd of the read-only base overlay (lower of every child): frozen once
+    'frozen': False,   # the template's files are the read-only base overlay (lower of every child)
     'upper_fd': None,  # O_PATH fd of this sandbox's upper dir (copied by branch)
     'pidns_fd': None,  # this process's own pid namespace (to undo unshare(CLONE_NEWPID))
     'lifeline_fd': None,  # read end of the host's lifeline pipe (zygote, cold-booted sandbox)
@@ -221,13 +221,15 @@ def _freeze_base():
     base (overlay of its upper over the image, no upper of its own), and the
     interpreter's objects move to the permanent GC generation so that the
     collector in a child does not touch (and copy) every inherited page."""
-    if STATE['base_fd'] is not None:
+    if STATE['frozen']:
         return
     os.makedirs(BASE, exist_ok=True)
     os.makedirs(SCRATCH, exist_ok=True)
     mount('overlay', BASE, 'overlay', MS_RDONLY | MS_NOSUID | MS_NODEV,
           'lowerdir=%s,userxattr' % ':'.join([LAYERS + '/upper'] + _image_layers()))
-    STATE['base_fd'] = os.open(BASE, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    # (no fd of it is kept: forks inherit fds, and `..` from a directory fd walks the mount
+    # tree it was opened in, the zygote's, even after a fork's own pivot_root)
+    STATE['frozen'] = True
     STATE['pidns_fd'] = os.open('/proc/self/ns/pid', os.O_RDONLY | os.O_CLOEXEC)
     try:
         _rehearse(_agent_mod.AGENT)
@@ -628,6 +630,9 @@ def _setup_plan():
     base = (BASE if os.path.isdir(BASE) else LAYERS + '/image').encode()
     dev = root + b'/dev'
     before_layer = [
+        # A session of its own: kill(0, SIGKILL) in its parent's process group would reach
+        # the zygote, the fork server and every sibling (a process group ignores pid namespaces).
+        (os.setsid, (), None),
         (libc_unshare, (CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS,), 'unshare'),
         (libc_mount, (None, b'/', None, MS_REC | MS_PRIVATE, None), 'mount --make-rprivate /'),
         (libc_mount, (b'tmpfs', scratch, b'tmpfs', MS_NOSUID | MS_NODEV, b'mode=0755'), 'mount tmpfs on ' + SCRATCH),
@@ -635,7 +640,7 @@ def _setup_plan():
         (os.mkdir, (work, 0o755), None),
         (os.mkdir, (root, 0o755), None),
     ]
-    # By path, not through base_fd: overlay clones its lower mount, which must
+    # By path, not through a directory fd: overlay clones its lower mount, which must
     # be in this mount namespace (an fd still names the parent's).
     after_layer = [
         (libc_mount, (b'overlay', root, b'overlay', MS_NOSUID | MS_NODEV,

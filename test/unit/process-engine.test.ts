@@ -575,6 +575,48 @@ test('isolation: no host files, no other sandbox, no network', async () => {
   await Promise.all([a, b].map((k) => k!.kill()));
 });
 
+test('kill(0, SIGKILL) and kill(-1, SIGKILL) in a sandbox reach that sandbox only (each is a session of its own)', async () => {
+  // (in Node's process group, kill(0) reached Node and every sandbox: a process group ignores pid namespaces)
+  const [a, b] = await engine.fork(TEMPLATE, 2);
+  const sids = (await Promise.all([a, b].map((k) => val(k!.agent, '(os.getsid(0), os.getpgid(0))')))) as [number, number][];
+  assert.equal(sids, [
+    [1, 1],
+    [1, 1],
+  ], 'each fork leads its own session and process group (pid 1 in its namespace)');
+  // (its PID 1, the agent, is a namespace init: a SIGKILL from inside its namespace passes it by)
+  const sleeper = 'import subprocess\nS = subprocess.Popen(["sleep", "1000"])\nimport os, signal\nos.kill(-1, signal.SIGKILL)\nos.kill(0, signal.SIGKILL)\nS.wait()';
+  assert.is(await val(a!.agent, sleeper), -9, "the sandbox's own processes are killed");
+  assert.is(await val(a!.agent, '1 + 1'), 2);
+  assert.is(await val(b!.agent, 'WARM["answer"]'), 42, 'its sibling lives');
+  const [c] = await engine.fork(TEMPLATE, 1);
+  assert.is(await val(c!.agent, '1 + 1'), 2, 'the zygote and its fork server live');
+  await Promise.all([b, c].map((k) => k!.kill()));
+});
+
+test("no fd of a fork reaches the zygote's mount tree (a sibling's socket directory)", async () => {
+  // (the zygote kept an O_PATH fd of its base layer; every fork inherited it, and `..` from it
+  // walked the zygote's tree past the fork's own pivot_root: to every sibling's agent socket)
+  const [a, b] = await engine.fork(TEMPLATE, 2);
+  const code = `
+import os, stat
+hits = []
+for fd in map(int, os.listdir('/proc/self/fd')):
+    try:
+        if not stat.S_ISDIR(os.stat(fd).st_mode):
+            continue
+    except OSError:
+        continue
+    for up in range(1, 8):
+        p = '/proc/self/fd/%d/%s' % (fd, '../' * up)
+        for name in ('forkling/s/${b!.id}', 'run/forkling/s/${b!.id}'):
+            if os.path.exists(p + name):
+                hits.append(p + name)
+hits
+`;
+  assert.equal(await val(a!.agent, code), []);
+  await Promise.all([a, b].map((k) => k!.kill()));
+});
+
 test('seccomp and the user namespace refuse what a sandbox never needs', async () => {
   const [c] = await engine.fork(TEMPLATE, 1);
   const code = `
@@ -593,12 +635,17 @@ out = {
   'unshare_user': err(272, 0x10000000),
   'setns_net': err(308, 0, 0x40000000),
   'reboot': err(169, 0xfee1dead, 672274793, 0x4321FEDC, 0),
+  'pidfd_getfd': err(438, 0, 0, 0),
+  'kcmp': err(312, 1, 1, 0, 0, 0),
+  'process_madvise': err(440, 0, 0, 0, 0, 0),
+  'process_mrelease': err(448, 0, 0),
 }
 out['mount_ext4'] = 0 if libc.mount(b"/dev/null", b"/mnt", b"ext4", 0, None) == 0 else errno.errorcode[ctypes.get_errno()]
 out
 `;
   const got = (await val(c!.agent, code)) as Record<string, string | number>;
-  for (const k of ['bpf', 'perf_event_open', 'keyctl', 'init_module', 'kexec_load', 'ptrace', 'unshare_user', 'setns_net', 'reboot']) {
+  const refused = ['bpf', 'perf_event_open', 'keyctl', 'init_module', 'kexec_load', 'ptrace', 'unshare_user', 'setns_net', 'reboot'];
+  for (const k of [...refused, 'pidfd_getfd', 'kcmp', 'process_madvise', 'process_mrelease']) {
     assert.is(got[k], 'EPERM', `${k}: ${got[k]}`);
   }
   assert.ok(got.mount_ext4 !== 0, 'an ext4 mount is refused');

@@ -175,6 +175,10 @@ void BindReadOnly(const char* src, const char* dst, int step) {
   // Without root on the host, the keeper's namespace denies setgroups (and so does ours, inherited).
   if (!p.keeperUserns && setgroups(0, nullptr) != 0) Fail(1, errno);
   if (setresgid(0, 0, 0) != 0 || setresuid(0, 0, 0) != 0) Fail(1, errno);
+  // A session (and process group) of our own: in Node's, kill(0, SIGKILL) from the sandbox
+  // reached Node and every other sandbox (a process group ignores pid namespaces), and
+  // /dev/tty was the user's terminal.
+  if (setsid() < 0) Fail(1, errno);
   // The keeper has placed us in our cgroups: make them our cgroup root.
   if (unshare(CLONE_NEWCGROUP) != 0) Fail(2, errno);
   if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) Fail(3, errno);
@@ -376,6 +380,10 @@ const uint32_t kDenied[] = {
     321, 298,                 // bpf, perf_event_open
     250, 248, 249,            // keyctl, add_key, request_key
     101, 310, 311,            // ptrace, process_vm_readv, process_vm_writev
+    // pidfd_getfd, kcmp, process_madvise, process_mrelease: another process's fds and memory
+    // (a fork holds a pidfd of its fork server; root in the shared user namespace passes the
+    // ptrace check these make)
+    438, 312, 440, 448,
     167, 168, 169, 163,       // swapon, swapoff, reboot, acct
     164, 227, 305, 159,       // settimeofday, clock_settime, clock_adjtime, adjtimex
     172, 173, 103,            // iopl, ioperm, syslog
