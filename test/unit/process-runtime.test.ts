@@ -1,11 +1,12 @@
 // Where the process engine keeps its runtime directories (agent sockets, one
 // directory and link per fork), and that it refuses one it does not own alone.
-import { chmodSync, chownSync, mkdirSync, mkdtempSync, rmSync, symlinkSync } from 'node:fs';
+import { spawnSync } from 'node:child_process';
+import { chmodSync, chownSync, existsSync, mkdirSync, mkdtempSync, readdirSync, rmSync, symlinkSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
-import { inMemory, ownPrivateDir, runtimeRoot } from '../../host/engine/process/runtime.ts';
+import { inMemory, ownPrivateDir, removeTree, runtimeRoot } from '../../host/engine/process/runtime.ts';
 
 const only = (...paths: string[]) => (p: string) => paths.includes(p);
 
@@ -56,6 +57,38 @@ test('the runtime directory must be ours alone: made 0700, others refused', () =
     }
   } finally {
     rmSync(base, { recursive: true, force: true });
+  }
+});
+
+test('removeTree: what a sandbox wrote goes, following no link; deeper than PATH_MAX too; nothing outside', () => {
+  const base = mkdtempSync(join(tmpdir(), 'forkling-rmtree-'));
+  const outside = mkdtempSync(join(tmpdir(), 'forkling-rmtree-outside-'));
+  try {
+    writeFileSync(join(outside, 'keep'), 'host file');
+    const sb = join(base, 's', 'abc');
+    mkdirSync(join(sb, 'd', 'e'), { recursive: true });
+    writeFileSync(join(sb, 'd', 'e', 'f'), 'x');
+    symlinkSync(outside, join(sb, 'link-to-outside')); // a link to a host directory: removed as a link
+    symlinkSync(outside, join(sb, 'd', 'swapped'));
+    mkdirSync(join(sb, 'ro'));
+    writeFileSync(join(sb, 'ro', 'f'), 'x');
+    chmodSync(join(sb, 'ro'), 0o500);
+    // deeper than PATH_MAX (Node's rmSync fails there with ENAMETOOLONG)
+    const mkDeep = 'import os, sys\nos.chdir(sys.argv[1])\nfor _ in range(500):\n    os.mkdir("aaaaaaaaaaaaaaa")\n    os.chdir("aaaaaaaaaaaaaaa")\nopen("f", "w").close()';
+    const deep = spawnSync('python3', ['-c', mkDeep, sb]);
+    assert.is(deep.status, 0, String(deep.stderr));
+    assert.is(removeTree(base, sb), null);
+    assert.not.ok(existsSync(sb));
+    assert.equal(readdirSync(outside), ['keep'], 'the linked host directory is untouched');
+    // A link among the components below base is not followed either: base/l/x where l -> outside.
+    symlinkSync(outside, join(base, 'l'));
+    assert.match(String(removeTree(base, join(base, 'l', 'keep'))), /no link followed/);
+    assert.ok(existsSync(join(outside, 'keep')));
+    assert.match(String(removeTree(base, '/etc')), /is not below/);
+    assert.is(removeTree(base, join(base, 'gone')), null, 'what is not there is removed already');
+  } finally {
+    rmSync(base, { recursive: true, force: true });
+    rmSync(outside, { recursive: true, force: true });
   }
 });
 

@@ -6,7 +6,7 @@
 // overlay layer, its own namespaces, its own cgroup. Same agent, same protocol
 // and client as a VM; weaker isolation (one shared kernel), said every time.
 import { randomBytes } from 'node:crypto';
-import { closeSync, existsSync, mkdirSync, readdirSync, readFileSync, rmSync, symlinkSync, unlinkSync } from 'node:fs';
+import { closeSync, existsSync, mkdirSync, readdirSync, readFileSync, symlinkSync, unlinkSync } from 'node:fs';
 import { Socket } from 'node:net';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -20,7 +20,7 @@ import type { BootOptions, Engine, ExitInfo, Sandbox, SandboxStats, TemplateInfo
 import { type Cgroup, type CgroupLimits, CgroupTree } from './cgroups.ts';
 import { skeletonFor } from './skeleton.ts';
 import { sandboxAddon } from './native.ts';
-import { makeEngineDir, newId } from './runtime.ts';
+import { makeEngineDir, newId, removeTree } from './runtime.ts';
 
 export const PROCESS_ISOLATION =
   'process engine: sandboxes are Linux namespaces (user, pid, mount, network, ipc, uts, cgroup) with seccomp and cgroup ' +
@@ -369,7 +369,8 @@ class ProcessSandbox implements Sandbox {
     try {
       unlinkSync(this.link);
     } catch {}
-    rmSync(this.runDir, { recursive: true, force: true });
+    const failed = this.owner.removeDir(this.runDir);
+    if (failed) errors.push(`sandbox ${this.id}: its runtime directory: ${failed}`);
     return errors;
   }
 
@@ -493,7 +494,7 @@ export class ProcessEngine implements Engine {
       closeSync(lifeR);
       closeSync(lifeW);
       if (cgroup) await this.cgroups.remove(cgroup).catch(() => {});
-      rmSync(dir, { recursive: true, force: true });
+      this.removeDir(dir);
       const err = e as Error & { step?: string };
       throw new UserError(
         `cannot start a process-engine sandbox: ${err.message}`,
@@ -562,7 +563,13 @@ export class ProcessEngine implements Engine {
       root.lifeline = -1;
     }
     if (root.cgroup) await this.cgroups.remove(root.cgroup).catch((e: Error) => this.warn(`forkling: ${e.message}`));
-    rmSync(root.dir, { recursive: true, force: true });
+    const failed = this.removeDir(root.dir);
+    if (failed) this.warn(`forkling: ${failed}`);
+  }
+
+  /** Removes a directory below the engine's (sandboxes write there): what failed, or null. */
+  removeDir(dir: string): string | null {
+    return removeTree(this.dir, dir);
   }
 
   private limitsFor(memoryMiB: number, vcpus: number): CgroupLimits {
@@ -910,7 +917,8 @@ export class ProcessEngine implements Engine {
     for (const z of roots) z.client.close();
     await Promise.all([...roots, ...this.booted].map((r) => this.destroyRoot(r)));
     this.cgroups.close();
-    rmSync(this.dir, { recursive: true, force: true });
+    const failed = removeTree(dirname(this.dir), this.dir);
+    if (failed) this.warn(`forkling: the engine's runtime directory: ${failed}`);
     process.removeListener('exit', this.onExit);
   }
 

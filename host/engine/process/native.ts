@@ -47,6 +47,12 @@ interface RawAddon {
   sandboxPipe(): [number, number];
   /** Marks a directory opaque to the overlay layers below it (user.overlay.opaque; skeleton.ts). */
   sandboxOpaque(dir: string): void;
+  /**
+   * Removes base/rel and all below it without following a symbolic link in
+   * rel or below (what a sandbox can write); null, or what failed. Never throws
+   * for the file system.
+   */
+  sandboxRemoveTree(base: string, rel: string): string | null;
 }
 
 export interface SandboxAddon extends RawAddon {
@@ -71,8 +77,8 @@ export function sandboxAddon(): SandboxAddon {
     } catch (e) {
       throw new UserError(`cannot load the native addon ${path}: ${(e as Error).message.split('\n')[0]}`, 'build it: npm run build:native');
     }
-    if (typeof mod.sandboxLaunch !== 'function' || typeof mod.sandboxWatch !== 'function') {
-      throw new Error(`the native addon at ${ADDON_PATH} has no sandboxLaunch/sandboxWatch: rebuild it with npm run build:native`);
+    if (typeof mod.sandboxLaunch !== 'function' || typeof mod.sandboxWatch !== 'function' || typeof mod.sandboxRemoveTree !== 'function') {
+      throw new Error(`the native addon at ${ADDON_PATH} has no sandboxLaunch/sandboxWatch/sandboxRemoveTree: rebuild it with npm run build:native`);
     }
     const raw = mod as RawAddon;
     addon = {

@@ -3,10 +3,11 @@
 // sandboxes' /run/forkling (their agent sockets). Nothing here is mounted on
 // the host: every mount lives in a sandbox's private mount namespace.
 import { randomBytes } from 'node:crypto';
-import { lstatSync, mkdirSync, readdirSync, readFileSync, rmSync, statfsSync } from 'node:fs';
+import { lstatSync, mkdirSync, readdirSync, readFileSync, statfsSync } from 'node:fs';
 import { tmpdir } from 'node:os';
-import { join } from 'node:path';
+import { isAbsolute, join, relative } from 'node:path';
 import { UserError } from '../../errors.ts';
+import { sandboxAddon } from './native.ts';
 
 const TMPFS_MAGIC = 0x01021994;
 const RAMFS_MAGIC = 0x858458f6;
@@ -73,7 +74,10 @@ export function makeEngineDir(): string {
   ownPrivateDir(root);
   for (const name of readdirSync(root)) {
     const m = /^p(\d+)-[0-9a-f]+$/.exec(name);
-    if (m && !processRunning(Number(m[1]))) rmSync(join(root, name), { recursive: true, force: true });
+    if (m && !processRunning(Number(m[1]))) {
+      const failed = removeTree(root, join(root, name));
+      if (failed) throw new UserError(`cannot remove the runtime directory of a process engine that is gone: ${failed}`, `remove ${join(root, name)} by hand`);
+    }
   }
   const dir = join(root, `p${process.pid}-${randomBytes(3).toString('hex')}`);
   mkdirSync(dir, { mode: 0o700 });
@@ -83,4 +87,21 @@ export function makeEngineDir(): string {
 /** A sandbox id: 12 lowercase hex characters (also a valid host name and path component). */
 export function newId(): string {
   return randomBytes(6).toString('hex');
+}
+
+/**
+ * Removes `dir`, below `base` (a directory of ours), and everything in it
+ * without following a symbolic link below `base`: sandboxes write there (their
+ * /run/forkling), and may swap a directory for a link while we remove it
+ * (Node's rmSync follows such a swap: a sandbox could make us empty any host
+ * directory). Returns what failed, or null; never throws.
+ */
+export function removeTree(base: string, dir: string): string | null {
+  const rel = relative(base, dir);
+  if (!rel || rel.startsWith('..') || isAbsolute(rel)) return `${dir} is not below ${base}`;
+  try {
+    return sandboxAddon().sandboxRemoveTree(base, rel);
+  } catch (e) {
+    return (e as Error).message;
+  }
 }

@@ -43,6 +43,8 @@
 #include <sys/xattr.h>
 #include <unistd.h>
 
+#include <dirent.h>
+
 #include <cerrno>
 #include <cstring>
 #include <string>
@@ -745,9 +747,104 @@ Napi::Value Opaque(const Napi::CallbackInfo& info) {
   return env.Undefined();
 }
 
+// Removing what a sandbox could write (its runtime directory, bound at
+// /run/forkling inside) without ever following a symbolic link: each
+// directory is opened relative to its parent's fd with O_NOFOLLOW, so an entry
+// swapped for a link meanwhile is removed as the link, and no path grows long.
+constexpr int kMaxRemoveDepth = 4096;
+
+// Removes entry `name` of directory `parent` and all below it. Returns 0, or
+// the first errno (with what failed in *what).
+int RemoveAt(int parent, const char* name, int depth, std::string* what) {
+  for (int tries = 0; tries < 4; tries++) {
+    if (unlinkat(parent, name, 0) == 0 || errno == ENOENT) return 0;
+    if (errno != EISDIR) {
+      *what = std::string("unlink ") + name;
+      return errno;
+    }
+    if (depth >= kMaxRemoveDepth) {
+      *what = "directories nested deeper than 4096";
+      return ELOOP;
+    }
+    int fd = openat(parent, name, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    if (fd < 0) {
+      if (errno == ENOENT) return 0;
+      if (errno == ENOTDIR || errno == ELOOP) continue;  // swapped for a file or link: unlink it
+      *what = std::string("open ") + name;
+      return errno;
+    }
+    DIR* d = fdopendir(fd);
+    if (!d) {
+      int e = errno;
+      close(fd);
+      *what = "fdopendir";
+      return e;
+    }
+    bool chmoded = false;
+    int err = 0;
+    for (;;) {
+      errno = 0;
+      struct dirent* ent = readdir(d);
+      if (!ent) break;
+      if (!strcmp(ent->d_name, ".") || !strcmp(ent->d_name, "..")) continue;
+      int e = RemoveAt(dirfd(d), ent->d_name, depth + 1, what);
+      if (e == EACCES && !chmoded) {  // (without root: a 0500 directory the sandbox made, ours on the host)
+        chmoded = true;
+        if (fchmod(dirfd(d), 0700) == 0) e = RemoveAt(dirfd(d), ent->d_name, depth + 1, what);
+      }
+      if (e && !err) err = e;
+    }
+    closedir(d);
+    if (err) return err;
+    if (unlinkat(parent, name, AT_REMOVEDIR) == 0 || errno == ENOENT) return 0;
+    if (errno != ENOTEMPTY) {
+      *what = std::string("rmdir ") + name;
+      return errno;
+    }
+    // (something wrote into it meanwhile: once more)
+  }
+  *what = std::string("rmdir ") + name + ": it keeps filling";
+  return ENOTEMPTY;
+}
+
+// sandboxRemoveTree(base, rel): removes base/rel and all below it, never
+// following a symbolic link in rel or below (base is the host's own, trusted).
+// Returns null, or what failed.
+Napi::Value RemoveTree(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  if (!info[0].IsString() || !info[1].IsString()) throw Napi::TypeError::New(env, "base and rel must be strings");
+  std::string base = info[0].As<Napi::String>().Utf8Value();
+  std::string rel = info[1].As<Napi::String>().Utf8Value();
+  std::vector<std::string> parts;
+  for (size_t at = 0; at <= rel.size();) {
+    size_t slash = rel.find('/', at);
+    if (slash == std::string::npos) slash = rel.size();
+    std::string part = rel.substr(at, slash - at);
+    if (part == "..") throw Napi::TypeError::New(env, "rel must not contain ..");
+    if (!part.empty() && part != ".") parts.push_back(part);
+    at = slash + 1;
+  }
+  if (parts.empty()) throw Napi::TypeError::New(env, "rel names nothing below base");
+  int fd = open(base.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return errno == ENOENT ? env.Null() : Napi::String::New(env, "open " + base + ": " + strerror(errno));
+  for (size_t i = 0; i + 1 < parts.size(); i++) {
+    int next = openat(fd, parts[i].c_str(), O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+    int e = errno;
+    close(fd);
+    if (next < 0) return e == ENOENT ? env.Null() : Napi::String::New(env, "open " + parts[i] + " (no link followed): " + strerror(e));
+    fd = next;
+  }
+  std::string what;
+  int e = RemoveAt(fd, parts.back().c_str(), 0, &what);
+  close(fd);
+  if (!e) return env.Null();
+  return Napi::String::New(env, what + ": " + strerror(e));
+}
+
 }  // namespace
 
 void InitSandbox(Napi::Env env, Napi::Object exports) {
+  exports.Set("sandboxRemoveTree", Napi::Function::New(env, RemoveTree, "sandboxRemoveTree"));
   exports.Set("sandboxOpaque", Napi::Function::New(env, Opaque, "sandboxOpaque"));
   exports.Set("sandboxLaunch", Napi::Function::New(env, Launch, "sandboxLaunch"));
   exports.Set("sandboxReap", Napi::Function::New(env, Reap, "sandboxReap"));
