@@ -617,6 +617,16 @@ hits
   await Promise.all([a, b].map((k) => k!.kill()));
 });
 
+test("a fork writing a line without end to the zygote's console: the host keeps a cut line and goes on", async () => {
+  const [c] = await engine.fork(TEMPLATE, 1);
+  // 8 MiB without a newline to the console every fork shares, then a short line
+  await val(c!.agent, 'import sys\nfor _ in range(128): sys.__stdout__.write("z" * 65536)\nsys.__stdout__.write("\\nafter-the-long-one\\n")\nsys.__stdout__.flush()\n1');
+  assert.ok(await pollUntil(() => engine.zygoteConsole(TEMPLATE).includes('after-the-long-one'), 10_000), 'the next line arrives');
+  const cut = engine.zygoteConsole(TEMPLATE).filter((l) => l.startsWith('zzz'));
+  assert.ok(cut.length >= 1 && cut.every((l) => l.length < 17_000 && l.endsWith('characters]')), `cut lines: ${cut.map((l) => l.length).join(', ')}`);
+  await c!.kill();
+});
+
 test('seccomp and the user namespace refuse what a sandbox never needs', async () => {
   const [c] = await engine.fork(TEMPLATE, 1);
   const code = `

@@ -30,6 +30,8 @@ const AGENT_DIR = join(dirname(dirname(dirname(dirname(fileURLToPath(import.meta
 const PYTHON = '/usr/bin/python3';
 const SOCKET = 'agent.sock';
 const CONSOLE_LINES = 200;
+/** Longest console line kept (a longer one is cut). */
+const CONSOLE_LINE_CHARS = 16384;
 const DEFAULT_MEMORY_MIB = 512;
 const DEFAULT_PIDS = 512;
 /** How long a killed sandbox's PID 1 is waited for before its cgroup's removal is tried anyway (and retried). */
@@ -517,8 +519,14 @@ export class ProcessEngine implements Engine {
       partial += d.toString();
       const lines = partial.split('\n');
       partial = lines.pop() ?? '';
+      // Every fork holds this console: a line without end must not grow here without bound
+      // (re-split on every chunk, then a string too long for V8: a throw that ended Node).
+      if (partial.length > CONSOLE_LINE_CHARS) {
+        lines.push(`${partial.slice(0, CONSOLE_LINE_CHARS)} [line cut at ${CONSOLE_LINE_CHARS} characters]`);
+        partial = '';
+      }
       for (const l of lines) {
-        pushLine(ring, l);
+        pushLine(ring, l.length > CONSOLE_LINE_CHARS ? `${l.slice(0, CONSOLE_LINE_CHARS)} [line cut at ${CONSOLE_LINE_CHARS} characters]` : l);
         if (l.startsWith('forkling-agent ready')) ready();
       }
     });
