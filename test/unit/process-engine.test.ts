@@ -627,6 +627,20 @@ test("a fork writing a line without end to the zygote's console: the host keeps 
   await c!.kill();
 });
 
+test('a source that answers a branch for other children than asked is refused, and goes on', async () => {
+  const [src] = await engine.fork(TEMPLATE, 1);
+  // the source's agent answers every branch with one made-up child, twice
+  await val(
+    src!.agent,
+    'import sys\nA = sys.modules["__main__"] if "OPS" in dir(sys.modules["__main__"]) else next(m for m in sys.modules.values() if hasattr(m, "OPS") and "branch" in getattr(m, "OPS", {}))\nA.OPS["branch"] = lambda agent, conn, f: {"children": [{"id": "x", "ok": True, "pid": 1}] * 2}\n1',
+  );
+  const err = await engine.branch(src!, 1).catch((e: Error) => e);
+  assert.instance(err, Error);
+  assert.match((err as Error).message, /answered for 2 children, not for the 1 asked for/);
+  assert.is(await val(src!.agent, 'WARM["answer"]'), 42);
+  await src!.kill();
+});
+
 test('seccomp and the user namespace refuse what a sandbox never needs', async () => {
   const [c] = await engine.fork(TEMPLATE, 1);
   const code = `

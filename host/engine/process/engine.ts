@@ -815,7 +815,20 @@ export class ProcessEngine implements Engine {
       const cgroupsAt = performance.now();
       const res = await reply;
       const replyAt = performance.now();
-      const byNs = forksByNsPid(parentPid, new Set(res.children.flatMap((c) => (c.ok && c.pid !== undefined ? [c.pid] : []))), sub === 's');
+      // The parent (a branch's source: a sandbox) must answer for exactly the children asked for, once each.
+      const answered = res.children.map((c) => c.id);
+      const byPid = () => forksByNsPid(parentPid, new Set(res.children.flatMap((c) => (c.ok && c.pid !== undefined ? [c.pid] : []))), sub === 's');
+      if (answered.length !== n || new Set(answered).size !== n || !answered.every((id) => cgroups.has(id))) {
+        if (answered.length <= n) {
+          for (const pid of byPid().values()) {
+            try {
+              process.kill(pid, 'SIGKILL');
+            } catch {}
+          }
+        }
+        throw new UserError(`${op}: the parent answered for ${answered.length} children, not for the ${n} asked for, each once`);
+      }
+      const byNs = byPid();
       const failed = res.children.filter((c) => !c.ok);
       const settled = Promise.allSettled(
         res.children
