@@ -68,7 +68,11 @@ function under(mount: MountInfo, path: string): string {
   return join(mount.mountPoint, rel);
 }
 
-/** Engine directories (forkling-p<pid>-...) of processes that are gone: their sandboxes died with them. */
+/**
+ * Engine directories (forkling-p<pid>-...) of processes that are gone. Their
+ * sandboxes should have died with them (the lifeline), but one whose code
+ * defeated that (its agent is Python it can patch) is killed here first.
+ */
 function removeStale(parent: string): void {
   let names: string[] = [];
   try {
@@ -81,7 +85,30 @@ function removeStale(parent: string): void {
     if (!m || processRunning(Number(m[1]))) continue;
     const dir = join(parent, name);
     try {
-      for (const e of readdirSync(dir, { withFileTypes: true })) if (e.isDirectory()) rmdirSync(join(dir, e.name));
+      for (const e of readdirSync(dir, { withFileTypes: true })) {
+        if (!e.isDirectory()) continue;
+        const sub = join(dir, e.name);
+        for (let tries = 0; ; tries++) {
+          try {
+            rmdirSync(sub);
+            break;
+          } catch (err) {
+            if ((err as NodeJS.ErrnoException).code !== 'EBUSY' || tries >= 50) break;
+            try {
+              writeFileSync(join(sub, 'freezer.state'), 'THAWED'); // (v1: frozen ones hold their SIGKILL)
+            } catch {}
+            try {
+              writeFileSync(join(sub, 'cgroup.freeze'), '0'); // (v2)
+            } catch {}
+            for (const pid of readFileSync(join(sub, 'cgroup.procs'), 'utf8').split('\n').filter(Boolean)) {
+              try {
+                process.kill(Number(pid), 'SIGKILL');
+              } catch {}
+            }
+            Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0, 10); // (they die asynchronously; start-up only)
+          }
+        }
+      }
       rmdirSync(dir);
     } catch {}
   }
@@ -101,12 +128,18 @@ export class CgroupTree {
     try {
       const ms = mounts();
       const own = ownCgroups();
+      // What engines that are gone left: the freezer's first (a frozen task holds its SIGKILL, and
+      // while it lives its other cgroups cannot go).
+      for (const c of ['freezer', ...WANTED.filter((x) => x !== 'freezer')]) {
+        const m = ms.find((x) => x.fstype === 'cgroup' && x.superOptions.includes(c));
+        const path = own.get(c);
+        if (m && path !== undefined) removeStale(under(m, path));
+      }
       for (const c of WANTED) {
         const m = ms.find((x) => x.fstype === 'cgroup' && x.superOptions.includes(c));
         const path = own.get(c);
         if (!m || path === undefined) continue;
         const dir = join(under(m, path), tag);
-        removeStale(under(m, path));
         try {
           mkdirSync(dir, { recursive: true });
           this.v1.set(c, dir);

@@ -74,10 +74,8 @@ export function makeEngineDir(): string {
   ownPrivateDir(root);
   for (const name of readdirSync(root)) {
     const m = /^p(\d+)-[0-9a-f]+$/.exec(name);
-    if (m && !processRunning(Number(m[1]))) {
-      const failed = removeTree(root, join(root, name));
-      if (failed) throw new UserError(`cannot remove the runtime directory of a process engine that is gone: ${failed}`, `remove ${join(root, name)} by hand`);
-    }
+    // (what cannot go now, say while a sandbox that outlived its engine still writes there, is tried again next time)
+    if (m && !processRunning(Number(m[1]))) removeTree(root, join(root, name));
   }
   const dir = join(root, `p${process.pid}-${randomBytes(3).toString('hex')}`);
   mkdirSync(dir, { mode: 0o700 });
