@@ -204,8 +204,7 @@ export class SandboxManager {
   ): Promise<SandboxInfo[]> {
     const timeout = timeoutMs ?? this.defaultTimeoutMs;
     this.checkTimeout(timeout);
-    await this.admit(n);
-    this.pending += n;
+    await this.admit(n); // (counts the n as pending)
     const t0 = performance.now();
     let made: Sandbox[];
     try {
@@ -303,6 +302,11 @@ export class SandboxManager {
     }
   }
 
+  /**
+   * Refuses what would break a limit; else counts the n as pending, before
+   * any await (concurrent requests all passed the check and then all counted:
+   * five forks of 2 with --max-sandboxes 2 made 10). The caller uncounts them.
+   */
   private async admit(n: number): Promise<void> {
     if (this.draining) throw new ServiceError('shutting_down', 'the server is shutting down');
     const live = this.entries.size + this.pending;
@@ -321,7 +325,9 @@ export class SandboxManager {
         );
       }
     }
-    if (this.minFreeMiB > 0) {
+    this.pending += n;
+    if (this.minFreeMiB <= 0) return;
+    try {
       const bytes = await memAvailableBytes();
       const avail = bytes === null ? null : bytes / 1048576;
       if (avail !== null && avail < this.minFreeMiB) {
@@ -330,6 +336,9 @@ export class SandboxManager {
           `the host has ${avail.toFixed(0)} MiB of memory available, below the --min-free-mib floor of ${this.minFreeMiB} MiB (kill some sandboxes)`,
         );
       }
+    } catch (e) {
+      this.pending -= n;
+      throw e;
     }
   }
 

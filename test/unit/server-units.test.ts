@@ -145,6 +145,21 @@ test('manager: ids, max sandboxes, kill, ended reasons, timeouts (real agents)',
   await rejects(m.create('default'), ServiceError, 'shutting down');
 });
 
+test('manager: concurrent requests cannot pass --max-sandboxes together (each counts before it waits)', async () => {
+  for (const minFreeMiB of [0, 1]) {
+    const engine = new AgentProcessEngine();
+    const m = new SandboxManager({ engine, metrics: new ServerMetrics(), maxSandboxes: 2, minFreeMiB, memorySampleMs: 0 });
+    try {
+      const got = await Promise.allSettled(Array.from({ length: 5 }, () => m.fork('default', 2)));
+      assert.is(got.filter((r) => r.status === 'fulfilled').length, 1, `minFreeMiB ${minFreeMiB}`);
+      assert.is(m.size, 2);
+      assert.is(engine.started, 2, 'refused forks must not reach the engine');
+    } finally {
+      await m.close();
+    }
+  }
+});
+
 test('manager: memory limit refuses new sandboxes with a clear error', async () => {
   const engine = new AgentProcessEngine();
   const m = new SandboxManager({ engine, maxMemoryMiB: 1, memorySampleMs: 20 });
