@@ -2,7 +2,7 @@
 // on the sandbox's own connection (the AgentClient allocates the agent-side
 // id; the caller keeps the client-side one). Agent errors keep their code;
 // a dropped agent connection means the sandbox is gone.
-import type { OpName } from '../../protocol/schema.ts';
+import { ERROR_CODES, type OpName } from '../../protocol/schema.ts';
 import { AgentError } from '../agent/client.ts';
 import type { AgentCall, CallAgent } from './bridge.ts';
 import { ServiceError } from './errors.ts';
@@ -18,7 +18,10 @@ function mapError(e: unknown): unknown {
     case 'timeout':
       return new ServiceError('internal', e.message);
     default:
-      return e; // an agent error code (not_found, bad_request, cancelled, ...): passed through
+      // An agent's own error code (not_found, bad_request, cancelled, ...) is passed through; one
+      // of the server's (unauthorized, too_many_requests, ...) an agent may not claim.
+      if ((ERROR_CODES as readonly string[]).includes(e.code)) return e;
+      return new ServiceError('internal', `the sandbox's agent answered with the error code ${JSON.stringify(e.code.slice(0, 64))}, which is not an agent's`);
   }
 }
 

@@ -39,8 +39,8 @@ export class TokenAuth {
       );
     }
     const st = await stat(path);
-    if ((st.mode & 0o007) !== 0) {
-      throw new UserError(`the token file ${path} can be read by other users`, `chmod 600 ${path}`);
+    if ((st.mode & 0o077) !== 0) {
+      throw new UserError(`the token file ${path} can be read or written by its group or other users`, `chmod 600 ${path}`);
     }
     const tokens = text
       .split('\n')

@@ -120,7 +120,12 @@ test.before(async () => {
       payload: (p) => {
         const f = decodeFrame(p) as { t: string; id: number; op: string; code?: string };
         if (f.t !== 'req') return;
-        const bytes = f.op === 'eval' ? evalAnswer(f.id, valueFor(f.code ?? '0')) : encodeFrame({ t: 'err', id: f.id, code: 'unknown_op', message: 'fake' });
+        const bytes =
+          f.op !== 'eval'
+            ? encodeFrame({ t: 'err', id: f.id, code: 'unknown_op', message: 'fake' })
+            : f.code === 'claim'
+              ? encodeFrame({ t: 'err', id: f.id, code: 'unauthorized', message: 'an agent claiming a server code' })
+              : evalAnswer(f.id, valueFor(f.code ?? '0'));
         s.write(lengthPrefix(bytes.length));
         s.write(bytes);
       },
@@ -155,9 +160,13 @@ test('an agent that answers what the host does not decode (nested too deep, a va
     const after = await ask({ op: 'eval', sandbox, code: '7' });
     assert.is(after.t, 'err', `${code}: the connection to that agent is closed`);
   }
+  // An agent may not answer with one of the server's own codes (a REST 401, the SDK's AuthError).
+  assert.is((await ask({ op: 'sandbox.create' })).t, 'res');
+  const claim = await ask({ op: 'eval', sandbox: 'hostile3', code: 'claim' });
+  assert.is(claim.code, 'internal', JSON.stringify(claim));
   // The server and the session go on.
   assert.is((await ask({ op: 'sandbox.create' })).t, 'res');
-  assert.is((await ask({ op: 'eval', sandbox: 'hostile3', code: '8' })).value, 8);
+  assert.is((await ask({ op: 'eval', sandbox: 'hostile4', code: '8' })).value, 8);
   close();
 });
 

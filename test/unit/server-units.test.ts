@@ -55,8 +55,10 @@ test('token auth: file rules and checks', async () => {
   for (const bad of [null, '', 'first-token-012345678', 'first-token-0123456789 ', 'FIRST-TOKEN-0123456789']) {
     assert.not.ok(auth.check(bad), String(bad));
   }
-  chmodSync(f, 0o644);
-  await rejects(TokenAuth.fromFile(f), UserError, 'other users');
+  for (const mode of [0o644, 0o640, 0o620]) {
+    chmodSync(f, mode);
+    await rejects(TokenAuth.fromFile(f), UserError, 'group or other users');
+  }
   const short = join(dir, 'short');
   writeFileSync(short, 'abc\n', { mode: 0o600 });
   await rejects(TokenAuth.fromFile(short), UserError, 'shorter');
