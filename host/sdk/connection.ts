@@ -5,7 +5,7 @@
 import { decodeFrame, encodeFrame } from '../../protocol/codec.ts';
 import { PROTOCOL_VERSION } from '../../protocol/schema.ts';
 import { WS_SUBPROTOCOL, WS_TOKEN_PREFIX } from '../../protocol/server-ops.ts';
-import { AuthError, ConnectionError, errorFromCode, type ForklingError } from './errors.ts';
+import { AuthError, ConnectionError, errorFromCode } from './errors.ts';
 
 /** The part of the web-standard WebSocket the SDK uses. */
 export interface WebSocketLike {
@@ -31,7 +31,7 @@ export interface ConnectionOptions {
 
 interface Pending {
   resolve(res: Record<string, unknown>): void;
-  reject(e: ForklingError): void;
+  reject(e: Error): void;
   onEvent?: (ev: Record<string, unknown>) => void;
 }
 
@@ -127,11 +127,12 @@ export class Connection {
     const ws = this.ws as WebSocketLike;
     const id = this.nextId;
     this.nextId = this.nextId >= 0xfffffffe ? 1 : this.nextId + 1;
+    const bytes = encodeFrame({ ...fields, t: 'req', id, op }); // (before it is pending: what cannot be encoded throws here)
     const done = new Promise<Record<string, unknown>>((resolve, reject) => {
       this.pending.set(id, { resolve, reject, onEvent });
     });
     if (this.pending.size === 1) idleHook?.(ws, false);
-    this.sendFrame(ws, { ...fields, t: 'req', id, op });
+    ws.send(bytes);
     return {
       id,
       done,
@@ -244,7 +245,16 @@ export class Connection {
     if (!p) return; // e.g. an event that crossed a cancel
     switch (f.t) {
       case 'ev':
-        p.onEvent?.(f);
+        try {
+          p.onEvent?.(f);
+        } catch (e) {
+          // A callback of the caller's that throws (onStdout, ...) ends that request, not the
+          // process: thrown inside the WebSocket's message handler it was an uncaught exception.
+          this.pending.delete(id);
+          if (this.pending.size === 0) idleHook?.(ws, true);
+          this.sendFrame(ws, { t: 'cancel', id });
+          p.reject(e instanceof Error ? e : new Error(String(e)));
+        }
         return;
       case 'res': {
         this.pending.delete(id);

@@ -100,6 +100,20 @@ test('eval: value, text, output callbacks, exception with traceback, contexts', 
   assert.equal(obj.value, { a: [1, 2.5, null, true], b: new Uint8Array([0, 1]) });
 });
 
+test("a callback of the caller's that throws fails that call, not the process; the sandbox goes on", async () => {
+  // (thrown inside the WebSocket's message handler, it was an uncaught exception: the process died)
+  const boom = new Error('my onStdout broke');
+  const got = await sb.eval('print("hello")\n1', { onStdout: () => { throw boom; } }).catch((e: unknown) => e);
+  assert.is(got, boom);
+  assert.is((await sb.eval('2 + 2')).value, 4);
+  // what cannot be sent fails at once and leaves nothing pending
+  const cyclic: Record<string, unknown> = {};
+  cyclic.self = cyclic;
+  const bad = await sb.commands.run('true', { envs: cyclic as never }).catch((e: unknown) => e);
+  assert.instance(bad, Error);
+  assert.is((await sb.eval('3')).value, 3);
+});
+
 test('eval timeout throws TimeoutError and the interpreter stays usable', async () => {
   await expectError(TimeoutError, sb.eval('import time\nwhile True: time.sleep(0.01)', { timeoutMs: 200 }));
   assert.is((await sb.eval('1 + 1')).value, 2);
