@@ -218,7 +218,12 @@ export class AgentClient {
         );
       }
       opts.signal?.addEventListener('abort', onAbort, { once: true });
-      this.sendFrame({ ...args, t: 'req', id, op }).catch(() => {}); // a closed stream rejects via onClosed()
+      try {
+        this.sendFrame({ ...args, t: 'req', id, op }).catch(() => {}); // a closed stream rejects via onClosed()
+      } catch (e) {
+        // (not encodable: it must not stay pending, which kept the VM from ever counting as idle)
+        this.settle(id)?.reject(new AgentError('bad_request', `${op}: the request cannot be encoded: ${(e as Error).message}`));
+      }
     });
     return { id, result };
   }

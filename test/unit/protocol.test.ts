@@ -306,6 +306,15 @@ test('client: timeout and abort cancel at the agent; close rejects what is pendi
   assert.ok(a.client.isClosed);
 });
 
+test('client: a request that cannot be encoded fails at once and is not left pending', async () => {
+  const a = fakeAgent();
+  const cyclic: Record<string, unknown> = {};
+  cyclic.self = cyclic;
+  const e = (await a.client.request('eval', { code: '1', extra: cyclic } as never).catch((x) => x)) as AgentError;
+  assert.is(e.code, 'bad_request');
+  assert.is(a.client.inFlight, 0);
+});
+
 test('client: files over one chunk are streamed as data events, then end', async () => {
   const a = fakeAgent();
   const data = new Uint8Array(MAX_CHUNK * 2 + 10).fill(1);
