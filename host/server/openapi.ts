@@ -43,7 +43,9 @@ const STD_ERRORS = {
   '413': errorResponse('Body too large.'),
   '429': errorResponse('Too many open requests.'),
   '500': errorResponse('Internal error (logged by the server).'),
-  '503': errorResponse('The server cannot take more sandboxes now, or is shutting down.'),
+  '503': errorResponse(
+    'The server cannot take more sandboxes now, or is shutting down; or (resource_exhausted) an operation\'s events exceed 16 MiB, more than one JSON answer holds: stream them as NDJSON.',
+  ),
 };
 
 const jsonBody = (schema: Json) => ({ required: true, content: { 'application/json': { schema } } });
@@ -119,7 +121,7 @@ function routedPath(op: (typeof ROUTED_OPS)[number]): Json {
       summary: `Agent operation ${op} in the sandbox (see PROTOCOL.md)`,
       description:
         (events.length > 0
-          ? 'Streams its events as NDJSON when the request has `Accept: application/x-ndjson`; otherwise the events come collected in `events`. '
+          ? 'Streams its events as NDJSON when the request has `Accept: application/x-ndjson`; otherwise the events come collected in `events`, up to 16 MiB of them (beyond: 503 resource_exhausted). '
           : '') + 'Byte fields are base64 strings in JSON.',
       parameters: [SandboxIdParam],
       requestBody: jsonBody(withoutSandbox(def.args)),

@@ -41,6 +41,9 @@ function bytesFromJson(schema: TSchema, args: Record<string, unknown>): string |
   return null;
 }
 
+/** Bytes a slow client may leave unread before its streamed answer is cut off. */
+const MAX_UNSENT = 256 * 1024 * 1024;
+
 /** The request's URL, or null when its target is no valid path (e.g. `//[`: new URL throws). */
 export function requestUrl(req: IncomingMessage): URL | null {
   try {
@@ -214,17 +217,45 @@ export class RestApi {
     const hasEvents = Object.keys(def.events).length > 0;
     const ndjson = hasEvents && (req.headers.accept ?? '').includes('application/x-ndjson');
     const events: unknown[] = [];
+    let eventChars = 0;
+    let tooMuch: ServiceError | null = null;
     let call: AgentCall;
     if (ndjson) {
       res.writeHead(200, { 'Content-Type': 'application/x-ndjson', 'Cache-Control': 'no-store' });
-      call = this.ctx.callAgent(sb, op, args, (ev) => res.write(`${JSON.stringify(toJson(ev))}\n`));
+      call = this.ctx.callAgent(sb, op, args, (ev) => {
+        res.write(`${JSON.stringify(toJson(ev))}\n`);
+        if (res.writableLength > MAX_UNSENT) {
+          // The client reads far slower than the sandbox sends: stop instead of buffering without bound.
+          call.cancel();
+          res.destroy();
+        }
+      });
     } else {
-      call = this.ctx.callAgent(sb, op, args, (ev) => events.push(toJson(ev)));
+      // One JSON answer holds every event: at most MAX_FRAME of them (a command's output grew
+      // the server's memory without bound); beyond, the request ends and says how to stream.
+      call = this.ctx.callAgent(sb, op, args, (ev) => {
+        if (tooMuch) return;
+        const json = toJson(ev);
+        eventChars += JSON.stringify(json).length;
+        if (eventChars > MAX_FRAME) {
+          tooMuch = new ServiceError(
+            'resource_exhausted',
+            `${op}: its output is over ${MAX_FRAME} bytes, more than one JSON answer holds; send Accept: application/x-ndjson to stream it`,
+          );
+          events.length = 0;
+          call.cancel();
+          return;
+        }
+        events.push(json);
+      });
     }
     const onGone = () => call.cancel();
     res.on('close', onGone);
     try {
-      const result = await call.done;
+      const result = await call.done.catch((e: unknown) => {
+        throw tooMuch ?? e;
+      });
+      if (tooMuch) throw tooMuch;
       if (ndjson) res.end(`${JSON.stringify({ result: toJson(result) })}\n`);
       else this.json(res, 200, hasEvents ? { ...result, events } : result);
     } catch (e) {
@@ -253,7 +284,7 @@ export class RestApi {
     const call = this.ctx.callAgent(sb, 'files.read', args, (ev) => {
       if (ev.ev !== 'chunk' || !(ev.data instanceof Uint8Array)) return;
       if (!res.headersSent) res.writeHead(200, { 'Content-Type': 'application/octet-stream' });
-      if (res.writableLength > 256 * 1024 * 1024) {
+      if (res.writableLength > MAX_UNSENT) {
         // The client reads far slower than the sandbox sends: stop instead of buffering without bound.
         call.cancel();
         res.destroy();

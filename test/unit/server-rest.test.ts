@@ -310,6 +310,16 @@ test('bad input over REST: one clear error each, documented', async () => {
   assert.is(m.status, 405);
   const nr = await fetch(`${srv.url}/v2/whatever`, { headers: { authorization: `Bearer ${TOKEN}` } });
   assert.is(nr.status, 404);
+  // a command's output beyond what one JSON answer holds: that request ends and says how to stream it
+  // (the server collected it all in memory)
+  const flood = await fetch(`${srv.url}/v1/sandboxes/${p.id}/exec`, {
+    method: 'POST',
+    headers: { authorization: `Bearer ${TOKEN}`, 'content-type': 'application/json' },
+    body: JSON.stringify({ argv: ['head', '-c', '20000000', '/dev/zero'] }),
+  });
+  const floodBody = (await flood.json()) as { error: { code: string; message: string } };
+  assert.is(floodBody.error.code, 'resource_exhausted');
+  assert.match(floodBody.error.message, 'application/x-ndjson');
   // the server goes on
   const ok = await call('POST', '/v1/sandboxes/{id}/eval', p, { body: { code: '2+2' } });
   assert.is((ok.body as Json).value, 4);
