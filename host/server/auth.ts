@@ -84,3 +84,22 @@ export function presentedToken(req: IncomingMessage, url: URL): string | null {
   }
   return url.searchParams.get('token');
 }
+
+/**
+ * Without a token (a server on loopback only), any web page the user opens
+ * could drive the server: a WebSocket or a fetch from the page reaches
+ * 127.0.0.1, and a DNS-rebinding page does so under its own host name. So a
+ * server without a token refuses requests a browser sent for a page (they
+ * carry Origin) and requests for a host name that is not a loopback one.
+ * Returns why a request is refused, or null. With a token, the token decides.
+ */
+export function refusedWithoutToken(req: IncomingMessage): string | null {
+  if (req.headers.origin !== undefined) {
+    return `a request from a web page (Origin ${JSON.stringify(req.headers.origin.slice(0, 100))}) needs a token: start the server with --token-file`;
+  }
+  const host = (req.headers.host ?? '').toLowerCase().replace(/:\d+$/, '');
+  if (!['localhost', '127.0.0.1', '[::1]', '::1'].includes(host) && !/^127\.\d+\.\d+\.\d+$/.test(host)) {
+    return `the Host ${JSON.stringify(host.slice(0, 100))} is not a loopback name, which a server without a token only answers (DNS rebinding); use 127.0.0.1 or localhost, or start the server with --token-file`;
+  }
+  return null;
+}

@@ -6,7 +6,7 @@ import type { IncomingMessage, ServerResponse } from 'node:http';
 import { Kind, type TSchema } from '@sinclair/typebox';
 import { MAX_CHUNK, MAX_FRAME, OPS } from '../../protocol/schema.ts';
 import { ROUTED_OPS, type RoutedOpName } from '../../protocol/server-ops.ts';
-import { presentedToken, type TokenAuth } from './auth.ts';
+import { presentedToken, refusedWithoutToken, type TokenAuth } from './auth.ts';
 import type { AgentCall } from './bridge.ts';
 import type { ServerContext } from './context.ts';
 import { ServiceError } from './errors.ts';
@@ -106,6 +106,8 @@ export class RestApi {
       res.setHeader('WWW-Authenticate', 'Bearer');
       throw new ServiceError('unauthorized', 'missing or wrong token: send Authorization: Bearer <token>');
     }
+    const refused = this.auth ? null : refusedWithoutToken(req);
+    if (refused) throw new ServiceError('permission_denied', refused);
     if (path === '/metrics' && method === 'GET') {
       setLabel('metrics');
       res.writeHead(200, { 'Content-Type': 'text/plain; version=0.0.4; charset=utf-8' });

@@ -9,7 +9,7 @@ import type { Duplex } from 'node:stream';
 import { WebSocketServer } from 'ws';
 import { MAX_FRAME } from '../../protocol/schema.ts';
 import { WS_SUBPROTOCOL } from '../../protocol/server-ops.ts';
-import { presentedToken, type TokenAuth } from './auth.ts';
+import { presentedToken, refusedWithoutToken, type TokenAuth } from './auth.ts';
 import type { ServerContext } from './context.ts';
 import { memAvailableBytesSync } from './meminfo.ts';
 import { buildOpenApi } from './openapi.ts';
@@ -158,6 +158,11 @@ export class ForklingServer {
         401,
         'missing or wrong token: send Authorization: Bearer <token>, the subprotocol forkling.bearer.<token>, or ?token=<token>',
       );
+      return;
+    }
+    const refused = auth ? null : refusedWithoutToken(req);
+    if (refused) {
+      refuse(403, refused);
       return;
     }
     this.wss.handleUpgrade(req, socket, head, (ws) => {

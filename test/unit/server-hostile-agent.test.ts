@@ -195,4 +195,27 @@ test('an answer the server cannot encode ends that request with internal; the se
   }
 });
 
+test('a server without a token refuses what a web page sends (REST and WebSocket), and a host name that is not loopback', async () => {
+  const { request } = await import('node:http');
+  const status = (headers: Record<string, string>) =>
+    new Promise<number>((resolve, reject) => {
+      const r = request(`${url}/v1/sandboxes`, { headers }, (res) => {
+        res.resume();
+        resolve(res.statusCode ?? 0);
+      });
+      r.on('error', reject);
+      r.end();
+    });
+  assert.is(await status({}), 200);
+  assert.is(await status({ origin: 'https://evil.example' }), 403);
+  assert.is(await status({ host: 'rebound.evil.example' }), 403);
+  const ws = new WebSocket(`${url.replace('http', 'ws')}/v1/ws`, ['forkling.v1'], { origin: 'https://evil.example' });
+  const code = await new Promise<number>((resolve) => {
+    ws.on('unexpected-response', (_req, res) => resolve(res.statusCode ?? 0));
+    ws.on('open', () => resolve(101));
+    ws.on('error', () => {});
+  });
+  assert.is(code, 403);
+});
+
 test.run();

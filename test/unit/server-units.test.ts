@@ -46,6 +46,17 @@ test('loopback rule', () => {
   for (const h of ['0.0.0.0', '::', '10.0.0.1', '192.168.1.1', 'example.org', '128.0.0.1']) assert.not.ok(isLoopback(h), h);
 });
 
+test('without a token: requests a browser sent for a page, or for a host name that is not loopback, are refused', async () => {
+  const { refusedWithoutToken } = await import('../../host/server/auth.ts');
+  const req = (headers: Record<string, string>) => ({ headers }) as unknown as import('node:http').IncomingMessage;
+  for (const host of ['127.0.0.1:4780', 'localhost:4780', '[::1]:4780', '127.0.0.1', 'LOCALHOST']) {
+    assert.is(refusedWithoutToken(req({ host })), null, host);
+  }
+  assert.match(String(refusedWithoutToken(req({ host: '127.0.0.1:4780', origin: 'https://evil.example' }))), 'needs a token');
+  assert.match(String(refusedWithoutToken(req({ host: 'rebound.evil.example:4780' }))), 'not a loopback name');
+  assert.match(String(refusedWithoutToken(req({}))), 'not a loopback name');
+});
+
 test('token auth: file rules and checks', async () => {
   const f = join(dir, 'tokens');
   writeFileSync(f, '# comment\n\nfirst-token-0123456789\nsecond-token-0123456789\n', { mode: 0o600 });
