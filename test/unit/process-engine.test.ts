@@ -593,6 +593,20 @@ test('kill(0, SIGKILL) and kill(-1, SIGKILL) in a sandbox reach that sandbox onl
   await Promise.all([b, c].map((k) => k!.kill()));
 });
 
+test("a sandbox's root is not the host's root uid: global sysctls stay out of reach", async () => {
+  // (mapped onto the host's 0-65535 when forkling ran as root, it could write
+  // kernel.core_pattern through its own /proc: a way out)
+  const [c] = await engine.fork(TEMPLATE, 1);
+  const [euid, map, write] = (await val(
+    c!.agent,
+    'import os\ntry:\n    open("/proc/sys/kernel/core_pattern", "w").close()\n    w = "opened for writing"\nexcept OSError as e:\n    w = type(e).__name__\n(os.geteuid(), open("/proc/self/uid_map").read().split(), w)',
+  )) as [number, string[], string];
+  assert.is(euid, 0, 'root inside');
+  assert.is.not(Number(map[1]), 0, `host uid of its root: ${map.join(' ')}`);
+  assert.is(write, 'PermissionError');
+  await c!.kill();
+});
+
 test("no fd of a fork reaches the zygote's mount tree (a sibling's socket directory)", async () => {
   // (the zygote kept an O_PATH fd of its base layer; every fork inherited it, and `..` from it
   // walked the zygote's tree past the fork's own pivot_root: to every sibling's agent socket)

@@ -6,7 +6,7 @@
 // overlay layer, its own namespaces, its own cgroup. Same agent, same protocol
 // and client as a VM; weaker isolation (one shared kernel), said every time.
 import { randomBytes } from 'node:crypto';
-import { closeSync, existsSync, mkdirSync, readdirSync, readFileSync, symlinkSync, unlinkSync } from 'node:fs';
+import { chownSync, closeSync, existsSync, mkdirSync, readdirSync, readFileSync, symlinkSync, unlinkSync } from 'node:fs';
 import { Socket } from 'node:net';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -36,6 +36,14 @@ const DEFAULT_MEMORY_MIB = 512;
 const DEFAULT_PIDS = 512;
 /** How long a killed sandbox's PID 1 is waited for before its cgroup's removal is tried anyway (and retried). */
 const EXIT_WAIT_MS = 2000;
+/**
+ * As root, sandbox ids 0-65535 are host ids from here ($FORKLING_PROCESS_ID_BASE):
+ * unprivileged ones in the range systemd leaves to containers (524288-1879048191).
+ * Mapped onto the host's 0-65535, a sandbox's root was the host's root uid,
+ * which the kernel's global sysctls check for (it could write
+ * kernel.core_pattern through a /proc of its own: a way out of the sandbox).
+ */
+const DEFAULT_ID_BASE = 0x6f000000;
 /** Most spare forks per template (each holds a child's memory). */
 const MAX_SPARES = 1024;
 /** Children per fork request to a zygote (measured: 25 beat 10, 50 and one request for 100 on 2 cores). */
@@ -423,6 +431,8 @@ export class ProcessEngine implements Engine {
   private readonly pidsPerSandbox: number;
   private readonly spareTarget: number;
   private readonly ksm: boolean;
+  /** As root: the host uid (and gid) of the sandboxes' root, the first of 65536 (null without root). */
+  private readonly idBase: number | null;
   private closed = false;
   private readonly onExit = () => this.killAllNow();
 
@@ -435,6 +445,7 @@ export class ProcessEngine implements Engine {
     }
     this.spareTarget = opts.spares ?? envWhole('FORKLING_PROCESS_SPARES', 0, 0, MAX_SPARES);
     this.ksm = opts.ksm ?? envFlag('FORKLING_PROCESS_KSM');
+    this.idBase = process.getuid?.() === 0 ? envWhole('FORKLING_PROCESS_ID_BASE', DEFAULT_ID_BASE, 1, 0xffff0000) : null;
     if (this.ksm && ksmRun() !== '1') {
       this.warn(`forkling: KSM sharing asked for, but the host's KSM is not running (/sys/kernel/mm/ksm/run = ${ksmRun() ?? 'absent'}): no effect until it is`);
     }
@@ -462,6 +473,7 @@ export class ProcessEngine implements Engine {
     const runDir = join(dir, 'run');
     mkdirSync(stage, { recursive: true });
     mkdirSync(runDir, { recursive: true });
+    if (this.idBase !== null) chownSync(runDir, this.idBase, this.idBase); // (its agent makes its socket there)
     const cgroup = this.cgroups.create(opts.cgName, opts.limits);
     const [r, w] = a.sandboxPipe();
     const [lifeR, lifeW] = a.sandboxPipe();
@@ -469,7 +481,8 @@ export class ProcessEngine implements Engine {
     try {
       launched = a.sandboxLaunch({
         rootfs: opts.rootfs,
-        ...(process.getuid?.() !== 0 ? { skeleton: skeletonFor(opts.rootfs) } : {}),
+        skeleton: skeletonFor(opts.rootfs, this.idBase),
+        ...(this.idBase !== null ? { idBase: this.idBase } : {}),
         stage,
         runDir,
         agentDir: AGENT_DIR,

@@ -96,7 +96,9 @@ const char* const kSteps[] = {
 
 struct Prepared {
   // paths outside (host view)
-  std::string stage, image, agent, upper, work, root, rootfs, runDir, agentDir;
+  std::string stage, image, agent, upper, work, root, rootfs, runDir, stageRunDir, agentDir;
+  // The keeper's names of its mounts in the stage (the paths above are the sandbox's: see kStageFd).
+  std::string kImage, kAgent, kRunDir, kSkeleton;
   // Without root: a tree of the image's directories owned by us, the top lower layer (see sandboxLaunch).
   std::string skeletonDir, skeleton, layersSkeleton;
   // paths inside the new root, still prefixed with `root`
@@ -119,6 +121,10 @@ constexpr int kStdoutFd = 4;    // becomes the sandbox's stdout/stderr
 constexpr int kLifelineFd = 5;  // read end of Node's lifeline pipe: EOF = Node is gone (kept across execve)
 constexpr int kSyncFd = 6;      // keeper <- Node go-ahead (CLOEXEC)
 constexpr int kExecFd = 7;      // keeper's view of the sandbox reaching execve (CLOEXEC in the sandbox)
+// The sandbox's stage, opened while it still has the keeper's credentials: as
+// root its root is then an unprivileged host uid that may not pass the
+// directories above the stage, so it names the stage /proc/self/fd/8.
+constexpr int kStageFd = 8;
 
 [[noreturn]] void Fail(int step, int err) {
   int msg[2] = {step, err};
@@ -176,6 +182,11 @@ void BindReadOnly(const char* src, const char* dst, int step) {
   close(syncR);
   // Without root on the host, the keeper's namespace denies setgroups (and so does ours, inherited).
   if (!p.keeperUserns && setgroups(0, nullptr) != 0) Fail(1, errno);
+  {
+    int fd = open(p.stage.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);  // (in our own mount namespace: mounts go there)
+    if (fd < 0 || dup3(fd, kStageFd, O_CLOEXEC) < 0) Fail(5, errno);
+    close(fd);
+  }
   if (setresgid(0, 0, 0) != 0 || setresuid(0, 0, 0) != 0) Fail(1, errno);
   // A session (and process group) of our own: in Node's, kill(0, SIGKILL) from the sandbox
   // reached Node and every other sandbox (a process group ignores pid namespaces), and
@@ -194,7 +205,7 @@ void BindReadOnly(const char* src, const char* dst, int step) {
 
   const unsigned long quiet = MS_NOSUID | MS_NODEV;
   if (!MkdirP(p.run.c_str()) || mount("tmpfs", p.run.c_str(), "tmpfs", quiet | MS_NOEXEC, "mode=0755,size=16m") != 0) Fail(8, errno);
-  if (!MkdirP(p.runForkling.c_str()) || mount(p.runDir.c_str(), p.runForkling.c_str(), nullptr, MS_BIND, nullptr) != 0) Fail(9, errno);
+  if (!MkdirP(p.runForkling.c_str()) || mount(p.stageRunDir.c_str(), p.runForkling.c_str(), nullptr, MS_BIND, nullptr) != 0) Fail(9, errno);
   if (!MkdirP(p.layers.c_str()) || !MkdirP(p.layersImage.c_str()) || !MkdirP(p.layersUpper.c_str())) Fail(10, errno);
   // The image bind was made read-only by the keeper, outside this user
   // namespace: it is locked read-only here and in every bind of it.
@@ -301,16 +312,19 @@ void BindReadOnly(const char* src, const char* dst, int step) {
   }
   if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) Fail(3, errno);
   if (mount("forkling-layer", p.stage.c_str(), "tmpfs", MS_NOSUID | MS_NODEV, p.layerOpts.c_str()) != 0) Fail(4, errno);
-  if (!MkdirP(p.image.c_str())) Fail(5, errno);
-  BindReadOnly(p.rootfs.c_str(), p.image.c_str(), 6);
+  if (!MkdirP(p.kImage.c_str())) Fail(5, errno);
+  BindReadOnly(p.rootfs.c_str(), p.kImage.c_str(), 6);
   if (!p.skeletonDir.empty()) {
-    if (!MkdirP(p.skeleton.c_str())) Fail(5, errno);
-    BindReadOnly(p.skeletonDir.c_str(), p.skeleton.c_str(), 6);
+    if (!MkdirP(p.kSkeleton.c_str())) Fail(5, errno);
+    BindReadOnly(p.skeletonDir.c_str(), p.kSkeleton.c_str(), 6);
   }
   if (!p.agentDir.empty()) {
-    if (!MkdirP(p.agent.c_str())) Fail(5, errno);
-    BindReadOnly(p.agentDir.c_str(), p.agent.c_str(), 16);
+    if (!MkdirP(p.kAgent.c_str())) Fail(5, errno);
+    BindReadOnly(p.agentDir.c_str(), p.kAgent.c_str(), 16);
   }
+  // The runtime directory, reached here with our credentials (as root, the sandbox's
+  // root is an unprivileged host uid that may not pass the directories above it).
+  if (!MkdirP(p.kRunDir.c_str()) || mount(p.runDir.c_str(), p.kRunDir.c_str(), nullptr, MS_BIND, nullptr) != 0) Fail(9, errno);
   int sync2[2], execp[2];
   if (pipe2(sync2, O_CLOEXEC) != 0 || pipe2(execp, O_CLOEXEC) != 0) Fail(26, errno);
   // Out of the way of the fixed numbers first, then the exec pipe's write end at kExecFd.
@@ -478,9 +492,10 @@ void KillAndReap(pid_t pid) {
   }
 }
 
-// sandboxLaunch({rootfs, skeleton?, stage, runDir, agentDir?, hostname, argv, env, cgroupProcs,
+// sandboxLaunch({rootfs, skeleton?, idBase?, stage, runDir, agentDir?, hostname, argv, env, cgroupProcs,
 //                layerSizeMiB?, stdoutFd?, lifelineFd?, seccomp}) -> {pid, keeperPid}
-// skeleton (without root): a tree of the rootfs's directories owned by us, the
+// idBase (as root, required): the host uid/gid of the sandbox's root, the first of 65536.
+// skeleton: a tree of the rootfs's directories owned by the sandbox's root, the
 // overlay's top lower layer. The image's files belong to the host's root, which
 // our user namespace cannot map, and overlayfs refuses to copy up what it cannot
 // chown (EOVERFLOW): with the skeleton every directory is ours, so new files can
@@ -519,20 +534,32 @@ Napi::Value Launch(const Napi::CallbackInfo& info) {
   p.haveLifeline = lifelineFd >= 0;
   if (o.Get("seccomp").ToBoolean()) p.filter = BuildFilter();
 
-  // Root maps the sandbox's 0-65535 onto the host's 0-65535 (files of the
-  // image keep their owners); anyone else maps the sandbox's root onto
-  // themselves, through the keeper's user namespace.
+  // Root maps the sandbox's 0-65535 onto the host's idBase.. (unprivileged
+  // ids no one else uses): mapped onto the host's 0-65535, the sandbox's root
+  // was the host's root uid, which global sysctls in a /proc it mounts check
+  // for (it could write kernel.core_pattern: a way out). Anyone else maps the
+  // sandbox's root onto themselves, through the keeper's user namespace. Either
+  // way the image's files belong to a uid the sandbox cannot map (the skeleton
+  // lets it make new files anywhere).
   uid_t uid = geteuid();
   gid_t gid = getegid();
   p.keeperUserns = uid != 0;
-  p.innerUidMap = p.keeperUserns ? "0 0 1\n" : "0 0 65536\n";
-  p.innerGidMap = p.keeperUserns ? "0 0 1\n" : "0 0 65536\n";
+  uint32_t idBase = o.Get("idBase").IsNumber() ? o.Get("idBase").As<Napi::Number>().Uint32Value() : 0;
+  if (!p.keeperUserns && (idBase == 0 || idBase > 0xFFFF0000u)) throw Napi::TypeError::New(env, "idBase: as root, a host uid above 0 (and below 2^32 - 65536) for the sandboxes' root");
+  p.innerUidMap = p.keeperUserns ? "0 0 1\n" : "0 " + std::to_string(idBase) + " 65536\n";
+  p.innerGidMap = p.keeperUserns ? "0 0 1\n" : "0 " + std::to_string(idBase) + " 65536\n";
 
-  p.image = p.stage + "/image";
-  p.agent = p.stage + "/agent";
-  p.upper = p.stage + "/upper";
-  p.work = p.stage + "/work";
-  p.root = p.stage + "/root";
+  p.kImage = p.stage + "/image";
+  p.kRunDir = p.stage + "/rundir";
+  p.kAgent = p.stage + "/agent";
+  p.kSkeleton = p.stage + "/skeleton";
+  const std::string st = "/proc/self/fd/" + std::to_string(kStageFd);
+  p.image = st + "/image";
+  p.stageRunDir = st + "/rundir";
+  p.agent = st + "/agent";
+  p.upper = st + "/upper";
+  p.work = st + "/work";
+  p.root = st + "/root";
   p.run = p.root + "/run";
   p.runForkling = p.run + "/forkling";
   p.runAgent = p.run + "/forkling-agent";
@@ -555,8 +582,10 @@ Napi::Value Launch(const Napi::CallbackInfo& info) {
                 {"/proc/self/fd/1", p.dev + "/stdout"},
                 {"/proc/self/fd/2", p.dev + "/stderr"}};
   p.layerOpts = "mode=0755,size=" + std::to_string(layerMiB) + "m";
+  // (as root: the sandbox's root owns its stage, where it makes its upper layer)
+  if (!p.keeperUserns) p.layerOpts += ",uid=" + std::to_string(idBase) + ",gid=" + std::to_string(idBase);
   if (!p.skeletonDir.empty()) {
-    p.skeleton = p.stage + "/skeleton";
+    p.skeleton = st + "/skeleton";
     p.layersSkeleton = p.layers + "/skeleton";
   }
   p.overlayOpts = "lowerdir=" + (p.skeleton.empty() ? p.image : p.skeleton + ":" + p.image) + ",upperdir=" + p.upper + ",workdir=" + p.work + ",userxattr";
