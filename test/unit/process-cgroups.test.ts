@@ -3,6 +3,7 @@
 // patch, lifeline included) is killed and removed when the next engine starts.
 import { spawnSync } from 'node:child_process';
 import { existsSync, readFileSync } from 'node:fs';
+import { join } from 'node:path';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import { CgroupTree } from '../../host/engine/process/cgroups.ts';
@@ -28,6 +29,34 @@ test("a gone engine's cgroups are emptied (their processes killed) and removed b
     for (const d of cg.dirs) assert.not.ok(existsSync(d), `${d} removed`);
   } finally {
     next.close();
+  }
+});
+
+test('a sandbox cgroup limits memory, memory + swap where the kernel accounts swap, pids and cpu', () => {
+  const tree = new CgroupTree(`forkling-p${process.pid}-654321`);
+  if (tree.mode === 'none') {
+    console.log(`  (no cgroups here: ${tree.warning}; skipped)`);
+    return;
+  }
+  const cg = tree.create('limits', { memoryBytes: 96 << 20, pids: 33, cpus: 0.5 })!;
+  try {
+    const read = (name: string) => {
+      for (const d of cg.dirs) if (existsSync(join(d, name))) return readFileSync(join(d, name), 'utf8').trim();
+      return null;
+    };
+    if (tree.mode === 'v1') {
+      assert.is(read('memory.limit_in_bytes'), String(96 << 20));
+      const memsw = read('memory.memsw.limit_in_bytes');
+      if (memsw !== null) assert.is(memsw, String(96 << 20), 'no swapping past the limit');
+      assert.is(read('cpu.cfs_quota_us'), '50000');
+    } else {
+      assert.is(read('memory.max'), String(96 << 20));
+      assert.is(read('memory.swap.max'), '0');
+      assert.is(read('cpu.max'), '50000 100000');
+    }
+    assert.is(read('pids.max'), '33');
+  } finally {
+    void tree.remove(cg).finally(() => tree.close());
   }
 });
 

@@ -4,7 +4,7 @@
 // where the controllers are bound there (hybrid hosts), else cgroup v2 where
 // the controllers can be enabled below us; otherwise no limits, with one
 // warning that says why.
-import { mkdirSync, readdirSync, readFileSync, rmdirSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdirSync, readdirSync, readFileSync, rmdirSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { pollUntil } from '../../util/poll.ts';
 import { processRunning } from './runtime.ts';
@@ -205,7 +205,13 @@ export class CgroupTree {
           mkdirSync(dir);
           cg.dirs.push(dir);
           cg.procs.push(join(dir, 'cgroup.procs'));
-          if (c === 'memory') writeFileSync(join(dir, 'memory.limit_in_bytes'), String(limits.memoryBytes));
+          if (c === 'memory') {
+            writeFileSync(join(dir, 'memory.limit_in_bytes'), String(limits.memoryBytes));
+            // Memory + swap, as v2's memory.swap.max 0: else a sandbox could swap its way past its limit
+            // (the file exists only where the kernel accounts swap).
+            const memsw = join(dir, 'memory.memsw.limit_in_bytes');
+            if (existsSync(memsw)) writeFileSync(memsw, String(limits.memoryBytes));
+          }
           if (c === 'pids') writeFileSync(join(dir, 'pids.max'), String(limits.pids));
           // (a new cgroup's cpu.cfs_period_us is the kernel's default, 100000 µs)
           if (c === 'cpu') writeFileSync(join(dir, 'cpu.cfs_quota_us'), String(Math.max(1000, Math.round(limits.cpus * 100000))));
