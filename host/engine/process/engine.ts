@@ -46,6 +46,8 @@ const EXIT_WAIT_MS = 2000;
 const DEFAULT_ID_BASE = 0x6f000000;
 /** Most spare forks per template (each holds a child's memory). */
 const MAX_SPARES = 1024;
+/** How long a new child's agent has to answer hello and restore. */
+const HANDSHAKE_MS = 30_000;
 /** Children per fork request to a zygote (measured: 25 beat 10, 50 and one request for 100 on 2 cores). */
 const FORK_CHUNK = 25;
 
@@ -857,10 +859,14 @@ export class ProcessEngine implements Engine {
             const link = join(this.dir, 'l', c.id);
             symlinkSync(runDir, link);
             let agent: AgentClient | undefined;
+            let handshake: ReturnType<typeof setTimeout> | undefined;
             try {
               // The socket's directory belongs to the parent sandbox (for a branch): check that the
               // agent that answers is the child we asked for, not whatever a symlink there points at.
               agent = await connectUnix(join(link, SOCKET), { hello: false });
+              const a = agent;
+              // (whatever answers there may never answer: a branch's source can put its own socket there)
+              handshake = setTimeout(() => a.close(`child ${c.id}: its agent did not answer hello and restore within ${HANDSHAKE_MS / 1000} s`), HANDSHAKE_MS);
               const helloP = agent.hello();
               // A fork's socket directory is the zygote's, which made the child anyway: its restore
               // goes out with the hello (one round trip less). A branch's entropy waits for the check.
@@ -877,6 +883,8 @@ export class ProcessEngine implements Engine {
               } catch {}
               unlinkSync(link);
               throw e;
+            } finally {
+              clearTimeout(handshake);
             }
             const sb = new ProcessSandbox(c.id, agent, { startedAt, readyAt: performance.now() }, hostPid, runDir, link, cg, this, template, limits);
             cgroups.delete(c.id);
