@@ -157,10 +157,18 @@ export class WsSession {
     this.ctx.serverOp(op, args).then(
       (res) => {
         if (op === 'hello') this.hello = true;
-        this.finish(id, entry, { t: 'res', id, ...res });
+        // Cancelled, or the client went away, while its sandboxes were being made: no one
+        // would ever learn their ids, so they go now instead of at their timeouts.
+        if (this.open.get(id) !== entry) this.killUnclaimed(res);
+        else this.finish(id, entry, { t: 'res', id, ...res });
       },
       (e) => this.finishError(id, entry, e),
     );
+  }
+
+  private killUnclaimed(res: Record<string, unknown>): void {
+    const made = [...((res.sandboxes as { id: string }[] | undefined) ?? []), ...(res.sandbox ? [res.sandbox as { id: string }] : [])];
+    for (const sb of made) void this.ctx.manager.kill(sb.id).catch(() => {});
   }
 
   private routed(id: number, op: string, f: Record<string, unknown>): void {
@@ -222,7 +230,15 @@ export class WsSession {
       return;
     }
     // A cancel for a request that already finished is not an error: the two crossed.
-    this.open.get(id)?.call?.cancel();
+    const entry = this.open.get(id);
+    if (!entry) return;
+    if (entry.call) {
+      entry.call.cancel();
+      return;
+    }
+    // A server op (sandbox.fork, ...) runs on; it ends here (what it makes is killed when done).
+    this.open.delete(id);
+    this.error(id, 'cancelled', `${entry.op} cancelled`);
   }
 
   private finish(id: number, entry: Open, frame: Record<string, unknown>): void {
@@ -286,7 +302,8 @@ export class WsSession {
   private onClose(): void {
     this.closed = true;
     // The client is gone: its agent requests are cancelled so the agents free
-    // what they hold; its sandboxes live on until their timeouts.
+    // what they hold; its sandboxes live on until their timeouts (those it was
+    // still waiting for go when made: killUnclaimed).
     for (const entry of this.open.values()) entry.call?.cancel();
     this.open.clear();
   }

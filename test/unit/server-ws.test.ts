@@ -256,6 +256,32 @@ test('a client that disconnects mid-stream: the server and the sandbox go on', a
   d.close();
 });
 
+test('a cancelled sandbox.fork, or one whose client went away, leaves no sandbox behind', async () => {
+  const created = async () => {
+    const text = await (await fetch(`${srv.url}/metrics`, { headers: { authorization: `Bearer ${TOKEN}` } })).text();
+    return [...text.matchAll(/^forkling_sandboxes_created_total\{[^}]*\} (\d+)$/gm)].reduce((a, m) => a + Number(m[1]), 0);
+  };
+  const c = await RawClient.open(srv.url, { token: TOKEN });
+  const before = ((await c.request('sandbox.list', {})).sandboxes as unknown[]).length;
+  const createdBefore = await created();
+  c.send({ t: 'req', id: 900, op: 'sandbox.fork', template: 'default', n: 2 });
+  c.send({ t: 'cancel', id: 900 });
+  const answer = await c.next();
+  assert.equal([answer.id, answer.t, answer.code], [900, 'err', 'cancelled']);
+  const d = await RawClient.open(srv.url, { token: TOKEN });
+  d.send({ t: 'req', id: 901, op: 'sandbox.fork', template: 'default', n: 2 });
+  d.ws.terminate();
+  // both forks finish making their sandboxes (4 made), which then go
+  const until = Date.now() + 20_000;
+  for (;;) {
+    const now = ((await c.request('sandbox.list', {})).sandboxes as unknown[]).length;
+    if (now === before && (await created()) >= createdBefore + 4) break;
+    if (Date.now() > until) assert.unreachable(`${now - before} sandboxes left behind`);
+    await new Promise((r) => setTimeout(r, 50));
+  }
+  c.close();
+});
+
 test('200 concurrent WebSocket sessions, each doing evals', async () => {
   const N = 200;
   const EVALS = 10;
