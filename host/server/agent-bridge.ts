@@ -33,7 +33,7 @@ export const callAgentClient: CallAgent = (sb, op, args, onEvent): AgentCall => 
     }),
     send(ev, fields) {
       const p = ev === 'data' ? req.send(fields.data as Uint8Array) : req.end();
-      p.catch(() => {}); // a closed agent connection rejects `done` as well
+      return p.catch(() => {}); // a closed agent connection rejects `done` as well
     },
     cancel() {
       req.cancel();

@@ -6,8 +6,12 @@ import type { Sandbox } from '../engine/engine.ts';
 export interface AgentCall {
   /** The response fields (without t/id), or a rejection with {code, message}. */
   readonly done: Promise<Record<string, unknown>>;
-  /** Sends a client event (`data` / `end`) on this request. */
-  send(ev: string, fields: Record<string, unknown>): void;
+  /**
+   * Sends a client event (`data` / `end`) on this request; resolves when the
+   * agent's connection takes more (the caller reads no more of its client until
+   * then: back-pressure), or when the request ended.
+   */
+  send(ev: string, fields: Record<string, unknown>): Promise<void>;
   /** Asks the agent to stop this request; `done` then settles (cancelled or finished). */
   cancel(): void;
 }

@@ -326,9 +326,14 @@ export class RestApi {
     });
     req.on('data', (chunk: Buffer) => {
       if (failed) return;
+      let sent: Promise<void> = Promise.resolve();
       for (let off = 0; off < chunk.length; off += MAX_CHUNK) {
-        call.send('data', { data: new Uint8Array(chunk.subarray(off, off + MAX_CHUNK)) });
+        sent = call.send('data', { data: new Uint8Array(chunk.subarray(off, off + MAX_CHUNK)) });
       }
+      // Read no more of the body until the agent's connection takes more: an agent that
+      // stops reading must not make the server hold the upload.
+      req.pause();
+      void sent.then(() => req.resume());
     });
     req.on('end', () => {
       if (!failed) call.send('end', {});

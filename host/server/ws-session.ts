@@ -27,12 +27,16 @@ import {
 const ROUTED = new Set<string>(ROUTED_OPS);
 /** Unsent bytes a client may let pile up before its session is closed. */
 const MAX_BUFFERED = 256 * 1024 * 1024;
+/** Bytes of one request's client events (stdin, file data) that may wait for its agent's connection. */
+const MAX_CLIENT_BACKLOG = 64 * 1024 * 1024;
 
 interface Open {
   op: string;
   t0: number;
   /** Set for routed requests once the agent request is open. */
   call: AgentCall | null;
+  /** Bytes of client events the agent's connection has not taken yet. */
+  backlog?: number;
 }
 
 export class WsSession {
@@ -220,7 +224,19 @@ export class WsSession {
       this.error(id, 'bad_request', invalid);
       return;
     }
-    entry.call.send(ev, fields);
+    // What the agent's connection has not taken yet stays here: bounded per request (pausing the
+    // socket instead would also hold back the client's cancel). A request past the bound ends.
+    const bytes = fields.data instanceof Uint8Array ? fields.data.length : 0;
+    entry.backlog = (entry.backlog ?? 0) + bytes;
+    if (entry.backlog > MAX_CLIENT_BACKLOG) {
+      this.open.delete(id);
+      entry.call.cancel();
+      this.error(id, 'resource_exhausted', `${entry.op}: the sandbox takes this stream slower than it comes (over ${MAX_CLIENT_BACKLOG >> 20} MiB waiting); send less at a time`);
+      return;
+    }
+    void entry.call.send(ev, fields).then(() => {
+      entry.backlog = (entry.backlog ?? 0) - bytes;
+    });
   }
 
   private onCancel(f: Record<string, unknown>, id: number | null): void {

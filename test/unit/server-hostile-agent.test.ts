@@ -76,7 +76,9 @@ async function session(serverUrl: string) {
       ws.send(encodeFrame({ ...f, t: 'req', id }));
     });
   assert.is((await ask({ op: 'hello', versions: [1] })).t, 'res');
-  return { ask, close: () => ws.close() };
+  /** Sends a frame as it is (client events of the last request: id = lastId()). */
+  const send = (f: Record<string, unknown>) => ws.send(encodeFrame(f));
+  return { ask, send, lastId: () => n, close: () => ws.close() };
 }
 
 /** An engine whose every sandbox's agent is a connection to the fake agent above. */
@@ -120,6 +122,10 @@ test.before(async () => {
       payload: (p) => {
         const f = decodeFrame(p) as { t: string; id: number; op: string; code?: string };
         if (f.t !== 'req') return;
+        if (f.op === 'files.write') {
+          s.pause(); // an agent that stops reading: what is streamed to it waits in the server
+          return;
+        }
         const bytes =
           f.op !== 'eval'
             ? encodeFrame({ t: 'err', id: f.id, code: 'unknown_op', message: 'fake' })
@@ -170,6 +176,20 @@ test('an agent that answers what the host does not decode (nested too deep, a va
   close();
 });
 
+test('a stream into an agent that stops reading ends past 64 MiB waiting, not in the server running out of memory', async () => {
+  const { ask, send, lastId, close } = await session(url);
+  assert.is((await ask({ op: 'sandbox.create' })).t, 'res');
+  const sandbox = `hostile${forks}`;
+  const answer = ask({ op: 'files.write', sandbox, path: '/tmp/big', stream: true });
+  const chunk = new Uint8Array(1 << 20);
+  for (let i = 0; i < 80; i++) send({ t: 'ev', id: lastId(), ev: 'data', data: chunk });
+  const got = await answer;
+  assert.is(got.t, 'err');
+  assert.is(got.code, 'resource_exhausted', JSON.stringify(got));
+  assert.is((await ask({ op: 'ping' })).t, 'res', 'the session goes on');
+  close();
+});
+
 test('an answer the server cannot encode ends that request with internal; the session goes on', async () => {
   // (a decoded agent answer always encodes again: MAX_NESTING; this checks the guard behind it)
   const calls = new Map<string, number>();
@@ -177,7 +197,7 @@ test('an answer the server cannot encode ends that request with internal; the se
     const code = String(args.code);
     calls.set(code, (calls.get(code) ?? 0) + 1);
     const value = code === 'huge' ? 10n ** 30n : Number(code); // no msgpack integer holds 10^30
-    return { done: Promise.resolve({ repr: '', type: '', timedOut: false, durationMs: 0, value }), send() {}, cancel() {} };
+    return { done: Promise.resolve({ repr: '', type: '', timedOut: false, durationMs: 0, value }), async send() {}, cancel() {} };
   };
   const second = await startServer(makeEngine(), callAgent);
   try {
