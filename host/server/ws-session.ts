@@ -27,6 +27,8 @@ import {
 const ROUTED = new Set<string>(ROUTED_OPS);
 /** Unsent bytes a client may let pile up before its session is closed. */
 const MAX_BUFFERED = 256 * 1024 * 1024;
+/** Server ops that make sandboxes (what they make is killed if no client is left to learn of it). */
+const SPAWNING_OPS = new Set(['sandbox.create', 'sandbox.boot', 'sandbox.fork', 'sandbox.branch']);
 /** Bytes of one request's client events (stdin, file data) that may wait for its agent's connection. */
 const MAX_CLIENT_BACKLOG = 64 * 1024 * 1024;
 
@@ -163,8 +165,9 @@ export class WsSession {
         if (op === 'hello') this.hello = true;
         // Cancelled, or the client went away, while its sandboxes were being made: no one
         // would ever learn their ids, so they go now instead of at their timeouts.
-        if (this.open.get(id) !== entry) this.killUnclaimed(res);
-        else this.finish(id, entry, { t: 'res', id, ...res });
+        if (this.open.get(id) !== entry) {
+          if (SPAWNING_OPS.has(op)) this.killUnclaimed(res);
+        } else this.finish(id, entry, { t: 'res', id, ...res });
       },
       (e) => this.finishError(id, entry, e),
     );

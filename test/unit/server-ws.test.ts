@@ -270,6 +270,9 @@ test('a cancelled sandbox.fork, or one whose client went away, leaves no sandbox
   assert.equal([answer.id, answer.t, answer.code], [900, 'err', 'cancelled']);
   const d = await RawClient.open(srv.url, { token: TOKEN });
   d.send({ t: 'req', id: 901, op: 'sandbox.fork', template: 'default', n: 2 });
+  // ops that make nothing are only answered cancelled: what they name lives on
+  d.send({ t: 'req', id: 902, op: 'sandbox.list' });
+  d.send({ t: 'cancel', id: 902 });
   d.ws.terminate();
   // both forks finish making their sandboxes (4 made), which then go
   const until = Date.now() + 20_000;
@@ -279,6 +282,7 @@ test('a cancelled sandbox.fork, or one whose client went away, leaves no sandbox
     if (Date.now() > until) assert.unreachable(`${now - before} sandboxes left behind`);
     await new Promise((r) => setTimeout(r, 50));
   }
+  assert.is(((await c.request('eval', { sandbox, code: '1 + 1' })).value as number), 2, 'the sandbox the suite uses lives');
   c.close();
 });
 
