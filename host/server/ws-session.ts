@@ -29,16 +29,25 @@ const ROUTED = new Set<string>(ROUTED_OPS);
 const MAX_BUFFERED = 256 * 1024 * 1024;
 /** Server ops that make sandboxes (what they make is killed if no client is left to learn of it). */
 const SPAWNING_OPS = new Set(['sandbox.create', 'sandbox.boot', 'sandbox.fork', 'sandbox.branch']);
-/** Bytes of one request's client events (stdin, file data) that may wait for its agent's connection. */
-const MAX_CLIENT_BACKLOG = 64 * 1024 * 1024;
+/**
+ * Client events (stdin, file data) the agents' connections have not taken yet:
+ * past PAUSE_AT the session reads no more of its client (flow control for a
+ * large upload), below RESUME_AT it reads on. If no agent takes anything for
+ * STALL_MS meanwhile (an agent that stopped reading), the requests waiting are
+ * ended and the session reads on (it must: a cancel would wait behind them).
+ */
+const PAUSE_AT = 16 * 1024 * 1024;
+const RESUME_AT = 4 * 1024 * 1024;
+const STALL_MS = 5000;
 
 interface Open {
   op: string;
   t0: number;
   /** Set for routed requests once the agent request is open. */
   call: AgentCall | null;
-  /** Bytes of client events the agent's connection has not taken yet. */
+  /** Bytes of client events the agent's connection has not taken yet (0 once the request was ended for it). */
   backlog?: number;
+  dropped?: boolean;
 }
 
 export class WsSession {
@@ -46,6 +55,12 @@ export class WsSession {
   private readonly open = new Map<number, Open>();
   private closed = false;
   private alive = true;
+  /** Bytes of client events no agent connection has taken yet, and the flow control on them. */
+  private backlog = 0;
+  private paused = false;
+  private stallTimer: ReturnType<typeof setTimeout> | undefined;
+  /** Bumped when a stall forgets what was waiting (sends still pending then count no more). */
+  private backlogGen = 0;
 
   constructor(
     private readonly ws: WebSocket,
@@ -227,19 +242,52 @@ export class WsSession {
       this.error(id, 'bad_request', invalid);
       return;
     }
-    // What the agent's connection has not taken yet stays here: bounded per request (pausing the
-    // socket instead would also hold back the client's cancel). A request past the bound ends.
     const bytes = fields.data instanceof Uint8Array ? fields.data.length : 0;
     entry.backlog = (entry.backlog ?? 0) + bytes;
-    if (entry.backlog > MAX_CLIENT_BACKLOG) {
-      this.open.delete(id);
-      entry.call.cancel();
-      this.error(id, 'resource_exhausted', `${entry.op}: the sandbox takes this stream slower than it comes (over ${MAX_CLIENT_BACKLOG >> 20} MiB waiting); send less at a time`);
-      return;
-    }
+    this.backlog += bytes;
+    const gen = this.backlogGen;
     void entry.call.send(ev, fields).then(() => {
+      if (entry.dropped || gen !== this.backlogGen) return;
       entry.backlog = (entry.backlog ?? 0) - bytes;
+      this.backlog -= bytes;
+      this.flow(true);
     });
+    this.flow(false);
+  }
+
+  /** Pauses or resumes reading the client by the backlog; `progress`: an agent took some. */
+  private flow(progress: boolean): void {
+    if (this.closed) return;
+    if (!this.paused && this.backlog > PAUSE_AT) {
+      this.paused = true;
+      this.ws.pause();
+    } else if (this.paused && this.backlog <= RESUME_AT) {
+      this.paused = false;
+      this.ws.resume();
+    }
+    if (!this.paused) {
+      clearTimeout(this.stallTimer);
+      this.stallTimer = undefined;
+    } else if (progress || !this.stallTimer) {
+      clearTimeout(this.stallTimer);
+      this.stallTimer = setTimeout(() => this.stalled(), STALL_MS);
+    }
+  }
+
+  /** No agent took anything for STALL_MS: the requests still waiting end; the client is read again. */
+  private stalled(): void {
+    this.stallTimer = undefined;
+    for (const [id, entry] of this.open) {
+      if (!entry.backlog) continue;
+      this.open.delete(id);
+      entry.dropped = true;
+      entry.call?.cancel();
+      this.error(id, 'resource_exhausted', `${entry.op}: the sandbox took none of this stream for ${STALL_MS / 1000} s (${entry.backlog} bytes waiting)`);
+    }
+    // (what requests that already ended left waiting is forgotten too: the client is read again)
+    this.backlog = 0;
+    this.backlogGen++;
+    this.flow(false);
   }
 
   private onCancel(f: Record<string, unknown>, id: number | null): void {
@@ -320,6 +368,7 @@ export class WsSession {
 
   private onClose(): void {
     this.closed = true;
+    clearTimeout(this.stallTimer);
     // The client is gone: its agent requests are cancelled so the agents free
     // what they hold; its sandboxes live on until their timeouts (those it was
     // still waiting for go when made: killUnclaimed).

@@ -114,6 +114,14 @@ test("a callback of the caller's that throws fails that call, not the process; t
   assert.is((await sb.eval('3')).value, 3);
 });
 
+test("a large upload goes through the server at the agent's pace (flow control, not a limit)", async () => {
+  // 200 MiB: past the 16 MiB a session lets wait before it stops reading its client (and past any fixed cap)
+  const w = await sb.files.write('/tmp/forkling-big-upload', new Uint8Array(200 << 20).fill(7));
+  assert.is(w.size, 200 << 20);
+  assert.is((await sb.eval('import os\nos.path.getsize("/tmp/forkling-big-upload")')).value, 200 << 20);
+  await sb.files.remove('/tmp/forkling-big-upload');
+});
+
 test('eval timeout throws TimeoutError and the interpreter stays usable', async () => {
   await expectError(TimeoutError, sb.eval('import time\nwhile True: time.sleep(0.01)', { timeoutMs: 200 }));
   assert.is((await sb.eval('1 + 1')).value, 2);
