@@ -11,6 +11,8 @@ import { AuthError, ConnectionError, errorFromCode } from './errors.ts';
 export interface WebSocketLike {
   binaryType: string;
   readonly readyState: number;
+  /** Bytes queued and not yet sent (browsers' WebSocket and ws both have it). */
+  readonly bufferedAmount?: number;
   send(data: Uint8Array): void;
   close(code?: number, reason?: string): void;
   onopen: ((ev: unknown) => void) | null;
@@ -71,6 +73,9 @@ function wsUrl(url: string): string {
 }
 
 const pool = new Map<string, Connection>();
+
+/** Bytes a stream upload lets wait on the connection before it reads more of its source. */
+const STREAM_BUFFER = 8 * 1024 * 1024;
 
 export class Connection {
   private ws: WebSocketLike | null = null;
@@ -143,6 +148,16 @@ export class Connection {
         if (this.ws === ws && this.pending.has(id)) this.sendFrame(ws, { t: 'cancel', id });
       },
     };
+  }
+
+  /**
+   * Resolves once at most `max` bytes wait to be sent on this connection (or it
+   * closed): a stream upload reads its source no faster than the connection
+   * sends. Browsers give no event for it, so it looks every 10 ms.
+   */
+  async drained(max = STREAM_BUFFER): Promise<void> {
+    const ws = this.ws;
+    while (ws && this.ws === ws && (ws.bufferedAmount ?? 0) > max) await new Promise((r) => setTimeout(r, 10));
   }
 
   close(): void {

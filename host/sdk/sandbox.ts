@@ -246,6 +246,11 @@ export class Sandbox {
   openCall(op: string, fields: Fields, onEvent?: (ev: Fields) => void): Promise<OpenRequest> {
     return this.conn.open(op, { ...fields, sandbox: this.id }, onEvent);
   }
+
+  /** Resolves when the connection has sent all but a few MiB (a stream's pace). */
+  drained(): Promise<void> {
+    return this.conn.drained();
+  }
 }
 
 /** A background command: wait for it, kill it, feed its stdin. */
@@ -465,9 +470,20 @@ export class Files {
       return { path, size: Number((await req.done).size) };
     }
     const req = await this.sb.openCall('files.write', { ...base, stream: true });
+    let ended = false; // (the server may end the request before the source ends: stop reading it then)
+    req.done.then(
+      () => {
+        ended = true;
+      },
+      () => {
+        ended = true;
+      },
+    );
     const reader = data.getReader();
     try {
       for (;;) {
+        await this.sb.drained(); // (a large stream is not read into memory faster than it is sent)
+        if (ended) break;
         const { done, value } = await reader.read();
         if (done) break;
         for (let off = 0; off < value.length; off += MAX_CHUNK) req.send('data', { data: value.subarray(off, off + MAX_CHUNK) });
@@ -476,7 +492,8 @@ export class Files {
       req.cancel();
       throw e;
     }
-    req.send('end');
+    if (ended) void reader.cancel().catch(() => {});
+    else req.send('end');
     return { path, size: Number((await req.done).size) };
   }
 

@@ -190,6 +190,28 @@ test('a stream into an agent that stops reading: the server stops reading the cl
   close();
 });
 
+test('an SDK stream upload into an agent that stops reading: the SDK stops reading its source too', async () => {
+  const { Sandbox } = await import('../../host/index.ts');
+  const sb = await Sandbox.create({ template: 'default', url });
+  let pulled = 0;
+  const CHUNKS = 96;
+  const source = new ReadableStream<Uint8Array>(
+    {
+      pull(c) {
+        if (pulled++ === CHUNKS) c.close();
+        else c.enqueue(new Uint8Array(1 << 20).fill(5));
+      },
+    },
+    { highWaterMark: 0 },
+  );
+  const err = await sb.files.write('/tmp/x', source).catch((e: Error) => e);
+  assert.instance(err, Error);
+  assert.match((err as Error).message, /took none of this stream/);
+  // the server stopped reading at 16 MiB waiting; the SDK let 8 MiB wait on its side (plus the
+  // sockets' buffers): without that it read the whole source into memory (96 MiB here)
+  assert.ok(pulled < 64, `the SDK read ${pulled} MiB of a 96 MiB source`);
+});
+
 test('an answer the server cannot encode ends that request with internal; the session goes on', async () => {
   // (a decoded agent answer always encodes again: MAX_NESTING; this checks the guard behind it)
   const calls = new Map<string, number>();
