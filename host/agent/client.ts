@@ -156,7 +156,12 @@ export class AgentClient {
 
   /** Closes the stream; pending requests reject with code 'closed' and `why` (default: closed by the client). */
   close(why = 'connection closed by the client'): void {
-    this.onClosed(new AgentError('closed', why));
+    this.drop(new AgentError('closed', why));
+  }
+
+  /** Rejects everything pending with `err` and drops the connection. */
+  private drop(err: AgentError): void {
+    this.onClosed(err);
     this.stream.destroy();
   }
 
@@ -289,8 +294,7 @@ export class AgentClient {
       // the connection ends (for an engine, the sandbox with it).
       const why = `undecodable frame from the agent: ${(e as Error).message}`;
       this.stray({ t: 'err', id: null, code: 'bad_frame', message: why });
-      this.onClosed(new AgentError('bad_response', why));
-      this.stream.destroy();
+      this.drop(new AgentError('bad_response', why));
       return;
     }
     const v = validateFrame(x, ['res', 'ev', 'err']);

@@ -471,14 +471,10 @@ export class Files {
     }
     const req = await this.sb.openCall('files.write', { ...base, stream: true });
     let ended = false; // (the server may end the request before the source ends: stop reading it then)
-    req.done.then(
-      () => {
-        ended = true;
-      },
-      () => {
-        ended = true;
-      },
-    );
+    const markEnded = () => {
+      ended = true;
+    };
+    req.done.then(markEnded, markEnded);
     const reader = data.getReader();
     try {
       for (;;) {

@@ -31,6 +31,15 @@ export interface ServerOptions {
 export const WS_HARD_CAP = 2 * MAX_FRAME;
 const HEARTBEAT_MS = 30_000;
 
+/** Error code and HTTP reason of each status an upgrade is refused with. */
+const UPGRADE_REFUSALS = {
+  400: ['bad_request', 'Bad Request'],
+  401: ['unauthorized', 'Unauthorized'],
+  403: ['permission_denied', 'Forbidden'],
+  404: ['not_found', 'Not Found'],
+  503: ['shutting_down', 'Service Unavailable'],
+} as const;
+
 export class ForklingServer {
   readonly http: Server;
   private readonly wss: WebSocketServer;
@@ -127,9 +136,8 @@ export class ForklingServer {
 
   private onUpgrade(req: IncomingMessage, socket: Duplex, head: Buffer): void {
     socket.on('error', () => {});
-    const refuse = (status: 400 | 401 | 403 | 404 | 503, text: string) => {
-      const code = { 400: 'bad_request', 401: 'unauthorized', 403: 'permission_denied', 404: 'not_found', 503: 'shutting_down' }[status];
-      const reason = { 400: 'Bad Request', 401: 'Unauthorized', 403: 'Forbidden', 404: 'Not Found', 503: 'Service Unavailable' }[status];
+    const refuse = (status: keyof typeof UPGRADE_REFUSALS, text: string) => {
+      const [code, reason] = UPGRADE_REFUSALS[status];
       const body = JSON.stringify({ error: { code, message: text } });
       socket.end(
         `HTTP/1.1 ${status} ${reason}\r\n` +

@@ -45,9 +45,8 @@ interface Open {
   t0: number;
   /** Set for routed requests once the agent request is open. */
   call: AgentCall | null;
-  /** Bytes of client events the agent's connection has not taken yet (0 once the request was ended for it). */
+  /** Bytes of client events the agent's connection has not taken yet. */
   backlog?: number;
-  dropped?: boolean;
 }
 
 export class WsSession {
@@ -247,7 +246,7 @@ export class WsSession {
     this.backlog += bytes;
     const gen = this.backlogGen;
     void entry.call.send(ev, fields).then(() => {
-      if (entry.dropped || gen !== this.backlogGen) return;
+      if (gen !== this.backlogGen) return; // (a stall ended the requests waiting and forgot their bytes)
       entry.backlog = (entry.backlog ?? 0) - bytes;
       this.backlog -= bytes;
       this.flow(true);
@@ -280,7 +279,6 @@ export class WsSession {
     for (const [id, entry] of this.open) {
       if (!entry.backlog) continue;
       this.open.delete(id);
-      entry.dropped = true;
       entry.call?.cancel();
       this.error(id, 'resource_exhausted', `${entry.op}: the sandbox took none of this stream for ${STALL_MS / 1000} s (${entry.backlog} bytes waiting)`);
     }

@@ -537,7 +537,7 @@ export class ProcessEngine implements Engine {
       // Every fork holds this console: a line without end must not grow here without bound
       // (re-split on every chunk, then a string too long for V8: a throw that ended Node).
       if (partial.length > CONSOLE_LINE_CHARS) {
-        lines.push(`${partial.slice(0, CONSOLE_LINE_CHARS)} [line cut at ${CONSOLE_LINE_CHARS} characters]`);
+        lines.push(partial);
         partial = '';
       }
       for (const l of lines) {
