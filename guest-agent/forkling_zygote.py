@@ -444,20 +444,12 @@ def _spawn(agent, children, branch, fork):
     # What this process runs between two forks, and after the last, makes
     # its pages a copy of its own, so the child forked before keeps the
     # original alone (private memory): little Python here, none of it new.
-    sockdirs = os.path.join(RUN, 'b' if branch else 's') + '/'
-    os.makedirs(sockdirs, exist_ok=True)
     pending = []
     results = {}
     failed = None  # a fork failed (EAGAIN: pids limit, ENOMEM): it and the rest fail, the forked ones go on
     for ch in children:
         if failed is not None:
             results[ch['id']] = {'id': ch['id'], 'ok': False, 'error': 'not forked: %s' % failed}
-            continue
-        sockdir = sockdirs + ch['id']
-        try:
-            os.mkdir(sockdir)
-        except OSError as e:
-            results[ch['id']] = {'id': ch['id'], 'ok': False, 'error': 'socket dir %s: %s' % (sockdir, e.strerror)}
             continue
         r, w = os.pipe()
         t0 = time.perf_counter()
@@ -472,7 +464,6 @@ def _spawn(agent, children, branch, fork):
         except OSError as e:
             os.close(r)
             os.close(w)
-            os.rmdir(sockdir)
             failed = 'fork: %s' % (e.strerror or e)
             results[ch['id']] = {'id': ch['id'], 'ok': False, 'error': failed}
             continue
@@ -481,7 +472,7 @@ def _spawn(agent, children, branch, fork):
         else:
             for _, _, other_r, _ in pending:  # earlier siblings' ready pipes are not ours to read
                 os.close(other_r)
-            _child_main(agent, ch, sockdir, r, w, branch, inherited)  # never returns
+            _child_main(agent, ch, r, w, branch, inherited)  # never returns
         os.close(w)
         pending.append((ch, pid, r, t0))
     # Wait until every child listens (or fails): a byte string on its pipe, then EOF.
@@ -528,7 +519,7 @@ def _kill(pid):
         pass
 
 
-def _child_main(agent, ch, sockdir, r, w, branch, inherited):
+def _child_main(agent, ch, r, w, branch, inherited):
     """In the new child (PID 1 of its pid namespace): set up, listen, serve."""
     global _lock
     server_sock, STATE['in_server'] = STATE['in_server'], None
@@ -544,7 +535,7 @@ def _child_main(agent, ch, sockdir, r, w, branch, inherited):
         os.close(r)
         if branch:  # here, in the copy, before its own namespaces: exactly what it has, whatever the source's threads did since
             inherited = forkling_inherit.inherited(_own_fds(agent) | {w}, _output_keys(agent), _console_fds(agent))
-        _setup_child(ch, sockdir, branch, inherited)
+        _setup_child(ch, branch, inherited)
         _rebuild_agent(agent, ch, reset=server_sock is None, inherited=inherited)
         _listen(agent, RUN + '/agent.sock')
         os.write(w, b'ok')
@@ -603,7 +594,7 @@ def _setup_plan():
     branch): a child then runs a loop of system calls, not the Python that
     builds their arguments (fewer objects touched, fewer pages copied).
     Steps are (function, args, what): os functions raise; libc ones return
-    non-zero on failure. Two steps are the child's own: see _setup_child."""
+    non-zero on failure. One step is the child's own (its host name): see _setup_child."""
     if STATE['plan'] is not None:
         return STATE['plan']
     C = ctypes
@@ -652,7 +643,6 @@ def _setup_plan():
         (os.mkdir, (root + BASE.encode(), 0o755), None),
         # read-only: what this sandbox's branches build on
         (libc_mount, (base, root + BASE.encode(), None, MS_BIND, None), 'bind the base'),
-        None,  # the child's own socket directory at /run/forkling
         (libc_mount, (b'proc', root + b'/proc', b'proc', MS_NOSUID | MS_NODEV | MS_NOEXEC, None), 'mount /proc'),
         (libc_mount, (b'tmpfs', dev, b'tmpfs', MS_NOSUID | MS_NOEXEC, b'mode=0755,size=64k'), 'mount /dev'),
     ]
@@ -682,7 +672,7 @@ def _setup_plan():
     holes = [i for i, step in enumerate(after_layer) if step is None]
     STATE['plan'] = plan = {
         'before_layer': before_layer, 'after_layer': after_layer, 'pivot': pivot, 'upper': upper,
-        'mount': libc_mount, 'root': root, 'run': root + RUN.encode(), 'sock_step': holes[0], 'host_step': holes[1],
+        'root': root, 'host_step': holes[0],
     }
     return plan
 
@@ -710,14 +700,13 @@ def _run_steps(steps):
             raise OSError(e, '%s: %s' % (what, os.strerror(e)))
 
 
-def _setup_child(ch, sockdir, branch, inherited):
+def _setup_child(ch, branch, inherited):
     plan = _setup_plan()
     _run_steps(plan['before_layer'])
     if branch:
         copy_tree('/proc/self/fd/%d' % STATE['upper_fd'] if STATE['upper_fd'] is not None else LAYERS + '/upper',
                   plan['upper'].decode())
     steps = plan['after_layer'][:]
-    steps[plan['sock_step']] = (plan['mount'], (sockdir.encode(), plan['run'], None, MS_BIND, None), 'bind ' + sockdir)
     steps[plan['host_step']] = (socket.sethostname, (ch['hostname'],), None)
     _run_steps(steps)
     if inherited is not None and inherited['shm']:
@@ -826,7 +815,8 @@ def _bare_thread(target, *args):
 
 
 def _listen(agent, path):
-    """Listens on `path` (in the socket directory made for this child) and
+    """Listens on `path` (in this sandbox's own /run, which the host reaches through
+    /proc/<pid>/root) and
     starts the child's one service thread."""
     s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
     s.bind(path)

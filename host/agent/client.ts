@@ -3,7 +3,7 @@
 // requests run at once, matched by id; every frame from the agent is checked
 // against the schema (the guest is not trusted); when the stream ends, every
 // pending request rejects. Independent of engines.
-import { connect as netConnect } from 'node:net';
+import { connect as netConnect, type Socket } from 'node:net';
 import type { Duplex } from 'node:stream';
 import { concat, decodeFrame, encodeFrame, FrameReader, lengthPrefix } from '../../protocol/codec.ts';
 import {
@@ -609,15 +609,23 @@ export class AgentClient {
 /** Connects to an agent's Unix socket; by default also does the hello exchange. */
 export async function connectUnix(
   path: string,
-  opts: AgentClientOptions & { hello?: boolean; timeoutMs?: number } = {},
+  opts: AgentClientOptions & {
+    hello?: boolean;
+    timeoutMs?: number;
+    /** What to call the socket in errors (default: its path). */
+    name?: string;
+    /** Called once connected, before any frame: throws to refuse the peer (the socket is then closed). */
+    check?: (sock: Socket) => void;
+  } = {},
 ): Promise<AgentClient> {
+  const name = opts.name ?? path;
   const sock = netConnect(path);
   sock.setNoDelay?.(true);
   await new Promise<void>((resolve, reject) => {
     const timer = opts.timeoutMs
       ? setTimeout(() => {
           sock.destroy();
-          reject(new AgentError('timeout', `no connection to ${path} within ${opts.timeoutMs} ms`));
+          reject(new AgentError('timeout', `no connection to ${name} within ${opts.timeoutMs} ms`));
         }, opts.timeoutMs)
       : undefined;
     sock.once('connect', () => {
@@ -627,9 +635,15 @@ export async function connectUnix(
     });
     sock.once('error', (e: NodeJS.ErrnoException) => {
       if (timer) clearTimeout(timer);
-      reject(new AgentError('closed', `cannot connect to the agent at ${path}: ${e.code ?? e.message}`, { errno: e.code }));
+      reject(new AgentError('closed', `cannot connect to the agent at ${name}: ${e.code ?? e.message}`, { errno: e.code }));
     });
   });
+  try {
+    opts.check?.(sock);
+  } catch (e) {
+    sock.destroy();
+    throw e;
+  }
   const client = new AgentClient(sock, opts);
   if (opts.hello !== false) {
     try {

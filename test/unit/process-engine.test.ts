@@ -9,8 +9,9 @@ import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
-import { type AgentClient, connectUnix } from '../../host/agent/client.ts';
+import type { AgentClient } from '../../host/agent/client.ts';
 import type { Sandbox } from '../../host/engine/engine.ts';
+import { connectAgent } from '../../host/engine/process/agent-socket.ts';
 import { ProcessEngine } from '../../host/engine/process/engine.ts';
 import { ensureImage } from '../../host/images.ts';
 import { storePath } from '../../host/store.ts';
@@ -39,6 +40,14 @@ const alive = (pid: number) => {
   }
 };
 const hostPid = (s: Sandbox) => (s as unknown as { hostPid: number }).hostPid;
+/** Whether a process is PID 1 of a pid namespace of its own (a sandbox; not the fork server). */
+const pidOneOwnNs = (pid: number) => {
+  try {
+    return /^NSpid:\s+(.*)$/m.exec(readFileSync(`/proc/${pid}/status`, 'utf8'))?.[1]?.trim().split(/\s+/).pop() === '1';
+  } catch {
+    return false;
+  }
+};
 /** Host pids of a process's children ([] once it is gone). */
 const childrenOf = (pid: number): number[] => {
   try {
@@ -125,7 +134,7 @@ test("a child's service threads: streamed eval output, an eval timeout, a second
     assert.ok(t?.timedOut, 'the eval timed out');
     assert.is(await val(c!.agent, '1 + 1'), 2);
     // a second client connects to the child's socket (the service thread accepts)
-    const second = await connectUnix(join((c as unknown as { link: string }).link, 'agent.sock'));
+    const second = await connectAgent(hostPid(c!));
     try {
       assert.is(await val(second, 'WARM["answer"]'), 42);
     } finally {
@@ -365,10 +374,10 @@ test('a fork server that dies in the middle of a request leaves no child behind;
     'os.register_at_fork(after_in_parent=after)',
   ], async (name, kids) => {
     const zygote = engine.zygotePid(name)!;
-    const runDir = (engine as unknown as { zygotes: Map<string, { runDir: string }> }).zygotes.get(name)!.runDir;
     const family = (pid: number): number[] => childrenOf(pid).flatMap((k) => (alive(k) ? [k, ...family(k)] : []));
     kids.push(...(await engine.fork(name, 2))); // the server's first two forks
-    const sockets = () => readdirSync(join(runDir, 's')).filter((d) => existsSync(join(runDir, 's', d, 'agent.sock'))).length;
+    // forks listening: PID 1 of a pid namespace of their own, with a socket in their own root
+    const sockets = () => family(zygote).filter((p) => pidOneOwnNs(p) && existsSync(`/proc/${p}/root/run/forkling/agent.sock`)).length;
     const pending = engine.fork(name, 3).then(
       () => null,
       (e: Error) => e.message,
@@ -376,10 +385,7 @@ test('a fork server that dies in the middle of a request leaves no child behind;
     // all three forked and listening, their server stuck: it dies now
     await pollUntil(() => sockets() >= 5, 20000);
     assert.is(sockets(), 5, 'the request\'s three children listen');
-    const server = childrenOf(zygote).find((p) => {
-      const ns = /^NSpid:\s+(.*)$/m.exec(readFileSync(`/proc/${p}/status`, 'utf8'))?.[1]?.trim().split(/\s+/);
-      return ns !== undefined && ns[ns.length - 1] !== '1';
-    });
+    const server = childrenOf(zygote).find((p) => !pidOneOwnNs(p));
     assert.ok(server, 'the fork server');
     process.kill(server!, 'SIGKILL');
     assert.match((await pending) ?? '', /fork server/, 'the request fails, saying why');
@@ -432,7 +438,6 @@ test('killing a source leaves its branches running; the last branch to go takes 
   const srcSleep = childrenOf(srcPid);
   assert.is(srcSleep.length, 1, 'the source has one child process: its sleep');
   const srcCg = (src as unknown as { cgroup: { dirs: string[] } | null }).cgroup?.dirs ?? [];
-  const srcRun = (src as unknown as { runDir: string }).runDir;
   const [b1] = await engine.branch(src!, 1);
   await val(b1!.agent, 'B1 = "b1"; open("/tmp/b1", "w").write("b1 file"); 1');
   const [b2] = await engine.branch(b1!, 1);
@@ -464,7 +469,6 @@ test('killing a source leaves its branches running; the last branch to go takes 
   assert.not.ok(alive(srcPid), 'the source PID 1 is gone with its last branch');
   assert.not.ok(alive(b1Pid), 'so is the middle one');
   for (const d of srcCg) assert.not.ok(existsSync(d), `cgroup ${d} removed`);
-  assert.not.ok(existsSync(srcRun), 'its runtime directory (with its branches\' sockets) removed');
   assert.is((engine as unknown as { holding: Set<unknown> }).holding.size, 0);
 });
 
@@ -607,12 +611,13 @@ test("a sandbox's root is not the host's root uid: global sysctls stay out of re
   await c!.kill();
 });
 
-test("no fd of a fork reaches the zygote's mount tree (a sibling's socket directory)", async () => {
+test("no fd of a fork reaches the zygote's mount tree (the zygote's agent socket)", async () => {
   // (the zygote kept an O_PATH fd of its base layer; every fork inherited it, and `..` from it
-  // walked the zygote's tree past the fork's own pivot_root: to every sibling's agent socket)
+  // walked the zygote's tree past the fork's own pivot_root: to the agent sockets there)
   const [a, b] = await engine.fork(TEMPLATE, 2);
   const code = `
 import os, stat
+own = os.stat('/run/forkling/agent.sock')
 hits = []
 for fd in map(int, os.listdir('/proc/self/fd')):
     try:
@@ -622,13 +627,63 @@ for fd in map(int, os.listdir('/proc/self/fd')):
         continue
     for up in range(1, 8):
         p = '/proc/self/fd/%d/%s' % (fd, '../' * up)
-        for name in ('forkling/s/${b!.id}', 'run/forkling/s/${b!.id}'):
-            if os.path.exists(p + name):
+        for name in ('forkling/agent.sock', 'run/forkling/agent.sock'):
+            try:
+                st = os.stat(p + name)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) != (own.st_dev, own.st_ino):
                 hits.append(p + name)
 hits
 `;
   assert.equal(await val(a!.agent, code), []);
   await Promise.all([a, b].map((k) => k!.kill()));
+});
+
+test('a sandbox writes nothing on the host (its /run is its own); the host connects only to the sandbox itself', async () => {
+  // (/run/forkling was a host directory bound in: a sandbox could fill the host's /run)
+  const [c] = await engine.fork(TEMPLATE, 1);
+  await val(c!.agent, 'open("/run/forkling/planted", "wb").write(b"x" * 65536)\n1');
+  const engineDir = (engine as unknown as { dir: string }).dir;
+  const planted = (readdirSync(engineDir, { recursive: true }) as string[]).filter((f) => f.endsWith('planted'));
+  assert.equal(planted, [], 'no file of the sandbox in the engine\'s host directory');
+  // its agent socket swapped for a link (to anywhere), or a directory on the way: refused, not followed
+  const refused = (why: RegExp) =>
+    connectAgent(hostPid(c!)).then(
+      (a) => {
+        a.close();
+        assert.unreachable('a link was followed');
+      },
+      (e: Error) => assert.match(e.message, why, e.message),
+    );
+  await val(c!.agent, 'os.rename("/run/forkling/agent.sock", "/run/forkling/real.sock")\nos.symlink("/run/forkling/real.sock", "/run/forkling/agent.sock")\n1');
+  await refused(/ENOTSOCK/); // (the link itself, opened O_PATH: not a socket)
+  await val(c!.agent, 'os.rename("/run/forkling", "/run/elsewhere")\nos.symlink("/run/elsewhere", "/run/forkling")\n1');
+  await refused(/ELOOP/);
+  await val(c!.agent, 'os.unlink("/run/forkling")\nos.rename("/run/elsewhere", "/run/forkling")\n1');
+  // a socket there served by another process of the sandbox: refused
+  await val(
+    c!.agent,
+    'import subprocess, sys, time\nos.unlink("/run/forkling/agent.sock")\n' +
+      'P = subprocess.Popen([sys.executable, "-c", "import socket, time; s = socket.socket(socket.AF_UNIX); s.bind(\'/run/forkling/agent.sock\'); s.listen(); open(\'/run/forkling/up\', \'w\').close(); time.sleep(1000)"])\n' +
+      'for _ in range(500):\n    if os.path.exists("/run/forkling/up"): break\n    time.sleep(0.01)\nos.path.exists("/run/forkling/up")',
+  );
+  await connectAgent(hostPid(c!)).then(
+    (a) => {
+      a.close();
+      assert.unreachable('another process answered for the sandbox');
+    },
+    (e: Error) => assert.match(e.message, /served by process \d+, not by the sandbox/),
+  );
+  // the agent's own socket back in place: connects
+  await val(c!.agent, 'P.kill(); P.wait()\nos.unlink("/run/forkling/agent.sock")\nos.rename("/run/forkling/real.sock", "/run/forkling/agent.sock")\n1');
+  const again = await connectAgent(hostPid(c!));
+  try {
+    assert.is(await val(again, 'WARM["answer"]'), 42);
+  } finally {
+    again.close();
+  }
+  await c!.kill();
 });
 
 test("a fork writing a line without end to the zygote's console: the host keeps a cut line and goes on", async () => {

@@ -6,17 +6,18 @@
 // overlay layer, its own namespaces, its own cgroup. Same agent, same protocol
 // and client as a VM; weaker isolation (one shared kernel), said every time.
 import { randomBytes } from 'node:crypto';
-import { chownSync, closeSync, existsSync, mkdirSync, readdirSync, readFileSync, symlinkSync, unlinkSync } from 'node:fs';
+import { closeSync, existsSync, mkdirSync, readdirSync, readFileSync } from 'node:fs';
 import { Socket } from 'node:net';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
-import { type AgentClient, connectUnix } from '../../agent/client.ts';
+import type { AgentClient } from '../../agent/client.ts';
 import { checkName, UserError } from '../../errors.ts';
 import { ensureImage } from '../../images.ts';
 import { storePath, writeFileAtomic } from '../../store.ts';
 import { envFlag, envWhole } from '../../util/env.ts';
 import { pollUntil } from '../../util/poll.ts';
 import type { BootOptions, Engine, ExitInfo, Sandbox, SandboxStats, TemplateInfo, TemplateOptions } from '../engine.ts';
+import { AGENT_SOCKET, connectAgent } from './agent-socket.ts';
 import { type Cgroup, type CgroupLimits, CgroupTree } from './cgroups.ts';
 import { skeletonFor } from './skeleton.ts';
 import { sandboxAddon } from './native.ts';
@@ -28,7 +29,6 @@ export const PROCESS_ISOLATION =
 
 const AGENT_DIR = join(dirname(dirname(dirname(dirname(fileURLToPath(import.meta.url))))), 'guest-agent');
 const PYTHON = '/usr/bin/python3';
-const SOCKET = 'agent.sock';
 const CONSOLE_LINES = 200;
 /** Longest console line kept (a longer one is cut). */
 const CONSOLE_LINE_CHARS = 16384;
@@ -79,7 +79,6 @@ interface Root {
   pid: number;
   keeperPid: number;
   dir: string;
-  runDir: string;
   console: string[];
   cgroup: Cgroup | null;
   /** Resolves when the root's PID 1 has exited. */
@@ -245,9 +244,6 @@ class ProcessSandbox implements Sandbox {
     public timings: { startedAt: number; readyAt: number },
     /** Host pid of the sandbox's PID 1 (its agent). */
     readonly hostPid: number,
-    /** Host directory that is /run/forkling inside. */
-    readonly runDir: string,
-    readonly link: string,
     readonly cgroup: Cgroup | null,
     private readonly owner: ProcessEngine,
     readonly template: string,
@@ -284,9 +280,6 @@ class ProcessSandbox implements Sandbox {
     const info: ExitInfo = this.killing ? { reason: 'killed' } : { reason: 'crashed', message: why };
     if (this.branches.size > 0 && (await this.retire())) {
       this.agent.close();
-      try {
-        unlinkSync(this.link);
-      } catch {}
       this.owner.forget(this);
       if (this.retired) this.owner.holding.add(this); // (its last branch may have gone meanwhile)
       this.resolveExit(info);
@@ -378,11 +371,6 @@ class ProcessSandbox implements Sandbox {
         errors.push((e as Error).message);
       }
     }
-    try {
-      unlinkSync(this.link);
-    } catch {}
-    const failed = this.owner.removeDir(this.runDir);
-    if (failed) errors.push(`sandbox ${this.id}: its runtime directory: ${failed}`);
     return errors;
   }
 
@@ -453,7 +441,6 @@ export class ProcessEngine implements Engine {
     }
     sandboxAddon(); // fail early when the addon lacks the launcher
     this.dir = makeEngineDir();
-    mkdirSync(join(this.dir, 'l'));
     this.cgroups = new CgroupTree(`forkling-${this.dir.split('/').pop()}`);
     if (this.cgroups.warning) this.warn(`forkling: ${this.cgroups.warning}`);
     process.once('exit', this.onExit);
@@ -472,10 +459,7 @@ export class ProcessEngine implements Engine {
     const a = sandboxAddon();
     const dir = join(this.dir, opts.cgName);
     const stage = join(dir, 'stage');
-    const runDir = join(dir, 'run');
     mkdirSync(stage, { recursive: true });
-    mkdirSync(runDir, { recursive: true });
-    if (this.idBase !== null) chownSync(runDir, this.idBase, this.idBase); // (its agent makes its socket there)
     const cgroup = this.cgroups.create(opts.cgName, opts.limits);
     const [r, w] = a.sandboxPipe();
     const [lifeR, lifeW] = a.sandboxPipe();
@@ -486,10 +470,9 @@ export class ProcessEngine implements Engine {
         skeleton: skeletonFor(opts.rootfs, this.idBase),
         ...(this.idBase !== null ? { idBase: this.idBase } : {}),
         stage,
-        runDir,
         agentDir: AGENT_DIR,
         hostname: opts.hostname,
-        argv: [PYTHON, '/run/forkling-agent/forkling_agent.py', '--unix', `/run/forkling/${SOCKET}`],
+        argv: [PYTHON, '/run/forkling-agent/forkling_agent.py', '--unix', `/${AGENT_SOCKET}`],
         env: [
           'PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin',
           'HOME=/root',
@@ -551,7 +534,7 @@ export class ProcessEngine implements Engine {
       () => {},
       () => {},
     );
-    const root: Root = { ...launched, dir, runDir, console: ring, cgroup, exited, lifeline: lifeW };
+    const root: Root = { ...launched, dir, console: ring, cgroup, exited, lifeline: lifeW };
     const timeoutMs = opts.readyTimeoutMs ?? 30000;
     let timer: ReturnType<typeof setTimeout> | undefined;
     try {
@@ -610,18 +593,16 @@ export class ProcessEngine implements Engine {
     const root = await this.launch({ rootfs, role: 'sandbox', hostname: id, limits, cgName: `c-${id}`, readyTimeoutMs: opts.readyTimeoutMs });
     for (const l of root.console) opts.onConsole?.(l);
     this.booted.add(root);
-    const link = join(this.dir, 'l', id);
-    symlinkSync(root.runDir, link);
     let agent: AgentClient;
     try {
-      agent = await connectUnix(join(link, SOCKET));
+      agent = await connectAgent(root.pid);
       await agent.restore({ entropy: randomBytes(64), hostname: id, sandboxId: id });
     } catch (e) {
       this.booted.delete(root);
       await this.destroyRoot(root);
       throw e;
     }
-    const sb = new ProcessSandbox(id, agent, { startedAt, readyAt: performance.now() }, root.pid, root.runDir, link, root.cgroup, this, '', limits);
+    const sb = new ProcessSandbox(id, agent, { startedAt, readyAt: performance.now() }, root.pid, root.cgroup, this, '', limits);
     this.sandboxes.add(sb);
     // Its root (keeper, cgroup, stage) goes when it ends.
     void sb.exited.then(() => {
@@ -661,7 +642,7 @@ export class ProcessEngine implements Engine {
     const root = await this.launch({ rootfs, role: 'zygote', hostname: 'zygote', limits, cgName: `z-${newId()}` });
     let client: AgentClient;
     try {
-      client = await connectUnix(join(root.runDir, SOCKET));
+      client = await connectAgent(root.pid);
     } catch (e) {
       await this.destroyRoot(root);
       throw e;
@@ -733,7 +714,7 @@ export class ProcessEngine implements Engine {
     const parts = await Promise.allSettled([
       ...take.map((s) => this.activate(s, startedAt)),
       ...chunks(n - take.length, z.limits.pids).map((k) =>
-        this.spawnChildren(z.client, z.pid, z.runDir, 's', k, z.limits, template, true, startedAt, undefined, z.requests),
+        this.spawnChildren(z.client, z.pid, 's', k, z.limits, template, true, startedAt, undefined, z.requests),
       ),
     ]);
     this.refill(z);
@@ -768,7 +749,7 @@ export class ProcessEngine implements Engine {
     const want = this.spareTarget - z.spares.length;
     if (want <= 0 || z.refilling || z.dead || this.closed) return;
     z.refilling = Promise.allSettled(
-      chunks(want, z.limits.pids).map((k) => this.spawnChildren(z.client, z.pid, z.runDir, 's', k, z.limits, z.info.name, false, undefined, undefined, z.requests)),
+      chunks(want, z.limits.pids).map((k) => this.spawnChildren(z.client, z.pid, 's', k, z.limits, z.info.name, false, undefined, undefined, z.requests)),
     )
       .then((parts) => {
         for (const p of parts) {
@@ -795,14 +776,13 @@ export class ProcessEngine implements Engine {
       throw new UserError('branch: the source is not a live sandbox of this process engine');
     }
     if (!Number.isInteger(n) || n < 1 || n > 1024) throw new UserError(`cannot branch ${n} children`, 'n must be an integer from 1 to 1024');
-    return this.spawnChildren(source.agent, source.hostPid, source.runDir, 'b', n, source.limits, source.template, true, performance.now(), source);
+    return this.spawnChildren(source.agent, source.hostPid, 'b', n, source.limits, source.template, true, performance.now(), source);
   }
 
   /** Asks `parent` (a zygote or a sandbox) for n forks; places, connects and restores each. */
   private async spawnChildren(
     parent: AgentClient,
     parentPid: number,
-    parentRunDir: string,
     sub: 's' | 'b',
     n: number,
     limits: CgroupLimits,
@@ -855,38 +835,31 @@ export class ProcessEngine implements Engine {
             const moveAt = performance.now();
             if (cg) this.cgroups.enter(cg, hostPid);
             slowestMoveMs = Math.max(slowestMoveMs, performance.now() - moveAt);
-            const runDir = join(parentRunDir, sub, c.id);
-            const link = join(this.dir, 'l', c.id);
-            symlinkSync(runDir, link);
             let agent: AgentClient | undefined;
             let handshake: ReturnType<typeof setTimeout> | undefined;
             try {
-              // The socket's directory belongs to the parent sandbox (for a branch): check that the
-              // agent that answers is the child we asked for, not whatever a symlink there points at.
-              agent = await connectUnix(join(link, SOCKET), { hello: false });
+              // (connectAgent checks that the child itself listens there: a branch's source can reach its branches' roots)
+              agent = await connectAgent(hostPid, { hello: false });
               const a = agent;
-              // (whatever answers there may never answer: a branch's source can put its own socket there)
+              // (an agent may never answer: the child's own code is the template's or its source's)
               handshake = setTimeout(() => a.close(`child ${c.id}: its agent did not answer hello and restore within ${HANDSHAKE_MS / 1000} s`), HANDSHAKE_MS);
+              // The restore goes out with the hello: one round trip less (frames are handled in order).
               const helloP = agent.hello();
-              // A fork's socket directory is the zygote's, which made the child anyway: its restore
-              // goes out with the hello (one round trip less). A branch's entropy waits for the check.
-              const early = restore && sub === 's' ? agent.restore({ entropy: randomBytes(64), hostname: c.id, sandboxId: c.id }) : null;
-              early?.catch(() => {});
+              const restored = restore ? agent.restore({ entropy: randomBytes(64), hostname: c.id, sandboxId: c.id }) : null;
+              restored?.catch(() => {});
               const hello = await helloP;
-              if (hello.sandboxId !== c.id) throw new Error(`child ${c.id}: the agent on its socket says it is ${JSON.stringify(hello.sandboxId)}`);
-              if (early) await early;
-              else if (restore) await agent.restore({ entropy: randomBytes(64), hostname: c.id, sandboxId: c.id });
+              if (hello.sandboxId !== c.id) throw new Error(`child ${c.id}: its agent says it is ${JSON.stringify(hello.sandboxId)}`);
+              await restored;
             } catch (e) {
               agent?.close();
               try {
                 process.kill(hostPid, 'SIGKILL');
               } catch {}
-              unlinkSync(link);
               throw e;
             } finally {
               clearTimeout(handshake);
             }
-            const sb = new ProcessSandbox(c.id, agent, { startedAt, readyAt: performance.now() }, hostPid, runDir, link, cg, this, template, limits);
+            const sb = new ProcessSandbox(c.id, agent, { startedAt, readyAt: performance.now() }, hostPid, cg, this, template, limits);
             cgroups.delete(c.id);
             if (source) {
               sb.parent = source;

@@ -10,8 +10,6 @@ export interface LaunchOptions {
   skeleton?: string;
   /** An empty host directory; only the sandbox's mount namespace mounts over it. */
   stage: string;
-  /** Host directory bind-mounted at /run/forkling inside (the agent's socket lives there). */
-  runDir: string;
   /** Host directory bound read-only at /run/forkling-agent inside (the agent's code). */
   agentDir?: string;
   hostname: string;
@@ -53,6 +51,15 @@ interface RawAddon {
    * for the file system.
    */
   sandboxRemoveTree(base: string, rel: string): string | null;
+  /**
+   * An O_PATH fd of the Unix socket at `rel` below process `pid`'s root
+   * directory, resolved without following any link and without leaving that
+   * root; throws (code ENOTSOCK, ELOOP, ESRCH, ...) otherwise. Connect to
+   * /proc/self/fd/<fd>, then close it.
+   */
+  sandboxAgentSocket(pid: number, rel: string): number;
+  /** The pid (in our pid namespace) of the process that listened on the other end of a connected Unix socket. */
+  sandboxPeerPid(fd: number): number;
 }
 
 export interface SandboxAddon extends RawAddon {
@@ -77,8 +84,8 @@ export function sandboxAddon(): SandboxAddon {
     } catch (e) {
       throw new UserError(`cannot load the native addon ${path}: ${(e as Error).message.split('\n')[0]}`, 'build it: npm run build:native');
     }
-    if (typeof mod.sandboxLaunch !== 'function' || typeof mod.sandboxWatch !== 'function' || typeof mod.sandboxRemoveTree !== 'function') {
-      throw new Error(`the native addon at ${ADDON_PATH} has no sandboxLaunch/sandboxWatch/sandboxRemoveTree: rebuild it with npm run build:native`);
+    if (typeof mod.sandboxLaunch !== 'function' || typeof mod.sandboxWatch !== 'function' || typeof mod.sandboxRemoveTree !== 'function' || typeof mod.sandboxAgentSocket !== 'function') {
+      throw new Error(`the native addon at ${ADDON_PATH} has no sandboxLaunch/sandboxWatch/sandboxRemoveTree/sandboxAgentSocket: rebuild it with npm run build:native`);
     }
     const raw = mod as RawAddon;
     addon = {

@@ -1,7 +1,8 @@
 // Host-side runtime directories of the process engine: one per engine
-// instance, holding the zygotes' stage mount points and the host ends of the
-// sandboxes' /run/forkling (their agent sockets). Nothing here is mounted on
-// the host: every mount lives in a sandbox's private mount namespace.
+// instance, holding the stage mount points of its zygotes and cold-booted
+// sandboxes. Nothing here is mounted on the host (every mount lives in a
+// sandbox's private mount namespace) and no sandbox writes here: agent
+// sockets live in each sandbox's own /run (agent-socket.ts).
 import { randomBytes } from 'node:crypto';
 import { lstatSync, mkdirSync, readdirSync, readFileSync, statfsSync } from 'node:fs';
 import { tmpdir } from 'node:os';
@@ -25,10 +26,9 @@ export function inMemory(path: string): boolean {
 /**
  * $FORKLING_RUNTIME_DIR, else /run/forkling for root, else
  * $XDG_RUNTIME_DIR/forkling or /tmp/forkling-<uid>; /dev/shm/forkling[-<uid>]
- * instead of /run or /tmp where those are not in memory and /dev/shm is. Each
- * fork makes and removes a socket directory, a socket and a link here: on a
- * disk file system (seen: /run on ext4 in a container) that cost about 3 ms
- * of CPU per fork across the child, the zygote and the host.
+ * instead of /run or /tmp where those are not in memory and /dev/shm is
+ * (nothing here need outlive a reboot; when forks still made their socket
+ * directories here, a disk file system cost ~3 ms of CPU per fork).
  */
 export function runtimeRoot(env: NodeJS.ProcessEnv = process.env, uid = process.getuid?.() ?? 0, memory = inMemory): string {
   if (env.FORKLING_RUNTIME_DIR) return env.FORKLING_RUNTIME_DIR;
@@ -89,10 +89,11 @@ export function newId(): string {
 
 /**
  * Removes `dir`, below `base` (a directory of ours), and everything in it
- * without following a symbolic link below `base`: sandboxes write there (their
- * /run/forkling), and may swap a directory for a link while we remove it
- * (Node's rmSync follows such a swap: a sandbox could make us empty any host
- * directory). Returns what failed, or null; never throws.
+ * without following a symbolic link below `base` (Node's rmSync follows a
+ * directory swapped for a link meanwhile: when sandboxes could write here,
+ * one could make us empty any host directory; the directory of an engine
+ * of an older version may still hold what its sandboxes wrote). Returns what
+ * failed, or null; never throws.
  */
 export function removeTree(base: string, dir: string): string | null {
   const rel = relative(base, dir);

@@ -18,18 +18,21 @@
 //   stage/root       overlay(image, upper): becomes /
 // and in the new root: /proc (new, for the new pid ns), /dev (tmpfs with
 // null zero full random urandom tty bound from the host, a new devpts,
-// /dev/shm), /run (tmpfs; /tmp stays in the overlay so BRANCH copies it), /run/forkling (the host's runDir, for the
-// agent's Unix socket), /run/forkling-layers/{image,upper} (what the zygote
+// /dev/shm), /run (tmpfs; /tmp stays in the overlay so BRANCH copies it), /run/forkling (a directory in that
+// tmpfs, for the agent's Unix socket: the host reaches it through /proc/<pid>/root, see
+// sandboxAgentSocket; no host directory is writable from inside), /run/forkling-layers/{image,upper} (what the zygote
 // builds its children's read-only base from), /sys (empty, read-only).
 // The old root is detached after pivot_root: no host path stays reachable.
 #include <fcntl.h>
 #include <linux/audit.h>
 #include <linux/filter.h>
+#include <linux/openat2.h>
 #include <linux/seccomp.h>
 #include <net/if.h>
 #include <sched.h>
 #include <signal.h>
 #include <stddef.h>
+#include <poll.h>
 #include <sys/ioctl.h>
 #include <sys/mount.h>
 #include <sys/prctl.h>
@@ -72,7 +75,7 @@ const char* const kSteps[] = {
     "bind the image read-only",         // 6
     "mount the overlay root",           // 7
     "mount /run",                       // 8
-    "bind /run/forkling",               // 9
+    "mkdir /run/forkling",              // 9
     "bind the layers for the zygote",   // 10
     "mount /proc",                      // 11
     "mount /dev",                       // 12
@@ -96,9 +99,9 @@ const char* const kSteps[] = {
 
 struct Prepared {
   // paths outside (host view)
-  std::string stage, image, agent, upper, work, root, rootfs, runDir, stageRunDir, agentDir;
+  std::string stage, image, agent, upper, work, root, rootfs, agentDir;
   // The keeper's names of its mounts in the stage (the paths above are the sandbox's: see kStageFd).
-  std::string kImage, kAgent, kRunDir, kSkeleton;
+  std::string kImage, kAgent, kSkeleton;
   // Without root: a tree of the image's directories owned by us, the top lower layer (see sandboxLaunch).
   std::string skeletonDir, skeleton, layersSkeleton;
   // paths inside the new root, still prefixed with `root`
@@ -205,7 +208,7 @@ void BindReadOnly(const char* src, const char* dst, int step) {
 
   const unsigned long quiet = MS_NOSUID | MS_NODEV;
   if (!MkdirP(p.run.c_str()) || mount("tmpfs", p.run.c_str(), "tmpfs", quiet | MS_NOEXEC, "mode=0755,size=16m") != 0) Fail(8, errno);
-  if (!MkdirP(p.runForkling.c_str()) || mount(p.stageRunDir.c_str(), p.runForkling.c_str(), nullptr, MS_BIND, nullptr) != 0) Fail(9, errno);
+  if (!MkdirP(p.runForkling.c_str())) Fail(9, errno);
   if (!MkdirP(p.layers.c_str()) || !MkdirP(p.layersImage.c_str()) || !MkdirP(p.layersUpper.c_str())) Fail(10, errno);
   // The image bind was made read-only by the keeper, outside this user
   // namespace: it is locked read-only here and in every bind of it.
@@ -322,9 +325,6 @@ void BindReadOnly(const char* src, const char* dst, int step) {
     if (!MkdirP(p.kAgent.c_str())) Fail(5, errno);
     BindReadOnly(p.agentDir.c_str(), p.kAgent.c_str(), 16);
   }
-  // The runtime directory, reached here with our credentials (as root, the sandbox's
-  // root is an unprivileged host uid that may not pass the directories above it).
-  if (!MkdirP(p.kRunDir.c_str()) || mount(p.runDir.c_str(), p.kRunDir.c_str(), nullptr, MS_BIND, nullptr) != 0) Fail(9, errno);
   int sync2[2], execp[2];
   if (pipe2(sync2, O_CLOEXEC) != 0 || pipe2(execp, O_CLOEXEC) != 0) Fail(26, errno);
   // Out of the way of the fixed numbers first, then the exec pipe's write end at kExecFd.
@@ -492,7 +492,7 @@ void KillAndReap(pid_t pid) {
   }
 }
 
-// sandboxLaunch({rootfs, skeleton?, idBase?, stage, runDir, agentDir?, hostname, argv, env, cgroupProcs,
+// sandboxLaunch({rootfs, skeleton?, idBase?, stage, agentDir?, hostname, argv, env, cgroupProcs,
 //                layerSizeMiB?, stdoutFd?, lifelineFd?, seccomp}) -> {pid, keeperPid}
 // idBase (as root, required): the host uid/gid of the sandbox's root, the first of 65536.
 // skeleton: a tree of the rootfs's directories owned by the sandbox's root, the
@@ -512,7 +512,6 @@ Napi::Value Launch(const Napi::CallbackInfo& info) {
   Prepared p;
   p.rootfs = GetStr(o, "rootfs");
   p.stage = GetStr(o, "stage");
-  p.runDir = GetStr(o, "runDir");
   p.agentDir = o.Get("agentDir").IsString() ? GetStr(o, "agentDir") : "";
   p.skeletonDir = o.Get("skeleton").IsString() ? GetStr(o, "skeleton") : "";
   p.hostname = GetStr(o, "hostname");
@@ -521,10 +520,10 @@ Napi::Value Launch(const Napi::CallbackInfo& info) {
   p.cgroupProcs = GetStrs(o, "cgroupProcs");
   if (p.argv.empty() || p.argv[0].empty() || p.argv[0][0] != '/') throw Napi::TypeError::New(env, "argv[0] must be an absolute path");
   if (p.hostname.empty() || p.hostname.size() > 64) throw Napi::RangeError::New(env, "hostname must have 1-64 characters");
-  for (const std::string* s : {&p.rootfs, &p.stage, &p.runDir, &p.agentDir, &p.skeletonDir}) {
+  for (const std::string* s : {&p.rootfs, &p.stage, &p.agentDir, &p.skeletonDir}) {
     if ((s == &p.agentDir || s == &p.skeletonDir) && s->empty()) continue;
     if (s->empty() || (*s)[0] != '/' || s->find_first_of(",:\\") != std::string::npos) {
-      throw Napi::TypeError::New(env, "rootfs, skeleton, stage, runDir and agentDir must be absolute paths without , : or \\");
+      throw Napi::TypeError::New(env, "rootfs, skeleton, stage and agentDir must be absolute paths without , : or \\");
     }
   }
   uint32_t layerMiB = o.Get("layerSizeMiB").IsNumber() ? o.Get("layerSizeMiB").As<Napi::Number>().Uint32Value() : 1024;
@@ -550,12 +549,10 @@ Napi::Value Launch(const Napi::CallbackInfo& info) {
   p.innerGidMap = p.keeperUserns ? "0 0 1\n" : "0 " + std::to_string(idBase) + " 65536\n";
 
   p.kImage = p.stage + "/image";
-  p.kRunDir = p.stage + "/rundir";
   p.kAgent = p.stage + "/agent";
   p.kSkeleton = p.stage + "/skeleton";
   const std::string st = "/proc/self/fd/" + std::to_string(kStageFd);
   p.image = st + "/image";
-  p.stageRunDir = st + "/rundir";
   p.agent = st + "/agent";
   p.upper = st + "/upper";
   p.work = st + "/work";
@@ -870,6 +867,76 @@ Napi::Value RemoveTree(const Napi::CallbackInfo& info) {
   return Napi::String::New(env, what + ": " + strerror(e));
 }
 
+// sandboxAgentSocket(pid, rel) -> fd: an O_PATH fd of the Unix socket at `rel`
+// below the root directory of process `pid` (a sandbox's PID 1), for the host
+// to connect to as /proc/self/fd/<fd>. The socket lives in the sandbox's own
+// /run tmpfs (no host directory is writable from a sandbox); the sandbox may
+// have put a link there: no symbolic or magic link is followed, and `..`
+// stays below its root. The pidfd, taken first and checked last, makes sure
+// that the root opened was that process's and not a new process's that reused
+// its pid.
+Napi::Value AgentSocket(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  if (!info[0].IsNumber() || !info[1].IsString()) throw Napi::TypeError::New(env, "pid must be a number and rel a string");
+  int pid = info[0].As<Napi::Number>().Int32Value();
+  std::string rel = info[1].As<Napi::String>().Utf8Value();
+  if (pid <= 0) throw Napi::RangeError::New(env, "pid must be positive");
+  if (rel.empty() || rel[0] == '/' || rel.find('\0') != std::string::npos) throw Napi::TypeError::New(env, "rel must be a relative path");
+  int pidfd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+  if (pidfd < 0) throw ErrnoError(env, "pidfd_open", errno);
+  std::string rootPath = "/proc/" + std::to_string(pid) + "/root";
+  int root = open(rootPath.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
+  if (root < 0) {
+    int e = errno;
+    close(pidfd);
+    throw ErrnoError(env, "open " + rootPath, e);
+  }
+  struct open_how how;
+  memset(&how, 0, sizeof how);
+  how.flags = O_PATH | O_NOFOLLOW | O_CLOEXEC;
+  how.resolve = RESOLVE_IN_ROOT | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
+  int fd = static_cast<int>(syscall(SYS_openat2, root, rel.c_str(), &how, sizeof how));
+  int e = errno;
+  close(root);
+  struct stat st;
+  const char* what = nullptr;
+  if (fd < 0) {
+    what = "open";
+  } else if (fstat(fd, &st) != 0) {
+    e = errno;
+    what = "fstat";
+  } else if (!S_ISSOCK(st.st_mode)) {
+    e = ENOTSOCK;
+    what = "check";
+  } else {
+    struct pollfd pfd = {pidfd, POLLIN, 0};
+    if (poll(&pfd, 1, 0) != 0) {  // exited (or an error): the root may have been another process's
+      e = ESRCH;
+      what = "check";
+    }
+  }
+  close(pidfd);
+  if (what) {
+    if (fd >= 0) close(fd);
+    throw ErrnoError(env, std::string(what) + " " + rel + " in the root of process " + std::to_string(pid), e);
+  }
+  return Napi::Number::New(env, fd);
+}
+
+// sandboxPeerPid(fd) -> pid: the pid (in our pid namespace) of the process that
+// made the other end of a connected Unix socket (for an accepted connection,
+// the one that listened): whether the agent that answers is the sandbox's.
+Napi::Value PeerPid(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  if (!info[0].IsNumber()) throw Napi::TypeError::New(env, "fd must be a number");
+  struct ucred cred;
+  socklen_t len = sizeof cred;
+  if (getsockopt(info[0].As<Napi::Number>().Int32Value(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    throw ErrnoError(env, "getsockopt SO_PEERCRED", errno);
+  }
+  return Napi::Number::New(env, cred.pid);
+}
+
 }  // namespace
 
 void InitSandbox(Napi::Env env, Napi::Object exports) {
@@ -879,6 +946,8 @@ void InitSandbox(Napi::Env env, Napi::Object exports) {
   exports.Set("sandboxReap", Napi::Function::New(env, Reap, "sandboxReap"));
   exports.Set("sandboxWatch", Napi::Function::New(env, Watch, "sandboxWatch"));
   exports.Set("sandboxPipe", Napi::Function::New(env, Pipe, "sandboxPipe"));
+  exports.Set("sandboxAgentSocket", Napi::Function::New(env, AgentSocket, "sandboxAgentSocket"));
+  exports.Set("sandboxPeerPid", Napi::Function::New(env, PeerPid, "sandboxPeerPid"));
 }
 
 }  // namespace forkling

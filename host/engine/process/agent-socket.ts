@@ -1,0 +1,44 @@
+// The host's way to a process-engine sandbox's agent. Its socket lives in the
+// sandbox's own /run (a tmpfs of its mount namespace: no host directory is
+// writable from a sandbox), reached through /proc/<pid>/root without following
+// any link the sandbox may have put there; and the process that listens on it
+// must be the sandbox's PID 1 itself (a branch's source can reach into its
+// branches' roots and could otherwise answer in their place).
+import { closeSync } from 'node:fs';
+import type { Socket } from 'node:net';
+import { type AgentClient, type AgentClientOptions, connectUnix } from '../../agent/client.ts';
+import { sandboxAddon } from './native.ts';
+
+/** The agent's socket, relative to a sandbox's root (it listens on /run/forkling/agent.sock). */
+export const AGENT_SOCKET = 'run/forkling/agent.sock';
+
+/** The fd libuv holds for a connected net.Socket (a Unix socket: a Pipe handle). */
+function fdOf(sock: Socket): number {
+  const fd = (sock as unknown as { _handle?: { fd?: number } })._handle?.fd;
+  if (typeof fd !== 'number' || fd < 0) throw new Error('the connection has no file descriptor');
+  return fd;
+}
+
+/** Connects to the agent of the sandbox whose PID 1 is host pid `pid`; by default also does the hello exchange. */
+export async function connectAgent(pid: number, opts: AgentClientOptions & { hello?: boolean } = {}): Promise<AgentClient> {
+  const addon = sandboxAddon();
+  const name = `/${AGENT_SOCKET} of sandbox process ${pid}`;
+  let fd: number;
+  try {
+    fd = addon.sandboxAgentSocket(pid, AGENT_SOCKET);
+  } catch (e) {
+    throw new Error(`cannot reach the agent at ${name}: ${(e as Error).message}`);
+  }
+  try {
+    return await connectUnix(`/proc/self/fd/${fd}`, {
+      ...opts,
+      name,
+      check: (sock) => {
+        const peer = addon.sandboxPeerPid(fdOf(sock));
+        if (peer !== pid) throw new Error(`the agent at ${name} is served by process ${peer}, not by the sandbox`);
+      },
+    });
+  } finally {
+    closeSync(fd);
+  }
+}
