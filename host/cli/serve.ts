@@ -25,6 +25,8 @@ const USAGE = `usage: forkling serve [options]
   --default-timeout-ms <n>  sandbox timeout when a client sets none (default 300000 = 5 minutes)
   --max-timeout-ms <n>      longest timeout a client may set (default 86400000 = 24 hours)
   --max-in-flight <n>       open requests per WebSocket connection (default ${DEFAULT_MAX_IN_FLIGHT})
+  --max-unsent-mib <n>      most output held for clients that read slower than their sandboxes write, all
+                            of them together (default 1024); past it, those holding the most are cut off
   --drain-ms <n>            on SIGTERM, how long open requests may still finish (default 10000)
   --tls-cert <file> --tls-key <file>   serve HTTPS/WSS
 
@@ -52,6 +54,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
         'default-timeout-ms': { type: 'string' },
         'max-timeout-ms': { type: 'string' },
         'max-in-flight': { type: 'string' },
+        'max-unsent-mib': { type: 'string' },
         'drain-ms': { type: 'string' },
         'tls-cert': { type: 'string' },
         'tls-key': { type: 'string' },
@@ -88,6 +91,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
   }
   const maxInFlight = positiveInt('max-in-flight', str('max-in-flight'), DEFAULT_MAX_IN_FLIGHT);
   const drainMs = positiveInt('drain-ms', str('drain-ms'), 10_000, 0);
+  const maxUnsentMiB = positiveInt('max-unsent-mib', str('max-unsent-mib'), 1024);
   const auth = tokenFile ? await TokenAuth.fromFile(tokenFile) : null;
 
   const log = (line: string) => process.stderr.write(`forkling serve: ${line}\n`);
@@ -103,7 +107,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
     metrics,
     log,
   });
-  const ctx = createContext({ manager, metrics, maxInFlight, callAgent: callAgentClient, log });
+  const ctx = createContext({ manager, metrics, maxInFlight, callAgent: callAgentClient, log, maxUnsentBytes: maxUnsentMiB * 2 ** 20 });
   let server: ForklingServer;
   try {
     server = new ForklingServer({ ctx, auth, ...(certFile && keyFile ? { tls: { certFile, keyFile } } : {}) });

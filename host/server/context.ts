@@ -8,12 +8,15 @@ import type { CallAgent } from './bridge.ts';
 import { type Code, ServiceError } from './errors.ts';
 import type { SandboxManager } from './manager.ts';
 import type { ServerMetrics } from './telemetry.ts';
+import { UnsentBudget } from './unsent.ts';
 
 export interface ServerContext {
   readonly manager: SandboxManager;
   readonly metrics: ServerMetrics;
   readonly maxInFlight: number;
   readonly serverName: string;
+  /** Bytes held for clients that have not read them yet, over all sessions and responses. */
+  readonly unsent: UnsentBudget;
   log(line: string): void;
   serverOp(op: string, args: Record<string, unknown>): Promise<Record<string, unknown>>;
   callAgent: CallAgent;
@@ -37,6 +40,8 @@ export function createContext(opts: {
   maxInFlight: number;
   callAgent: CallAgent;
   log: (line: string) => void;
+  /** The server's budget of bytes unsent to clients (default 1 GiB). */
+  maxUnsentBytes?: number;
 }): ServerContext {
   const { manager, maxInFlight, log } = opts;
   const serverName = `forkling/${packageVersion()}`;
@@ -110,6 +115,7 @@ export function createContext(opts: {
     metrics: opts.metrics,
     maxInFlight,
     serverName,
+    unsent: new UnsentBudget(opts.maxUnsentBytes),
     log,
     serverOp,
     callAgent: opts.callAgent,

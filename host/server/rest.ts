@@ -11,6 +11,7 @@ import type { AgentCall } from './bridge.ts';
 import type { ServerContext } from './context.ts';
 import { ServiceError } from './errors.ts';
 import { checkSandboxId, routedArgs, serverArgs } from './validate.ts';
+import type { Outlet } from './unsent.ts';
 
 const ROUTED = new Set<string>(ROUTED_OPS);
 
@@ -40,9 +41,6 @@ function bytesFromJson(schema: TSchema, args: Record<string, unknown>): string |
   }
   return null;
 }
-
-/** Bytes a slow client may leave unread before its streamed answer is cut off. */
-const MAX_UNSENT = 256 * 1024 * 1024;
 
 /** The request's URL, or null when its target is no valid path (e.g. `//[`: new URL throws). */
 export function requestUrl(req: IncomingMessage): URL | null {
@@ -224,13 +222,11 @@ export class RestApi {
     let call: AgentCall;
     if (ndjson) {
       res.writeHead(200, { 'Content-Type': 'application/x-ndjson', 'Cache-Control': 'no-store' });
+      const outlet = this.unsentOf(res);
       call = this.ctx.callAgent(sb, op, args, (ev) => {
+        if (res.destroyed) return;
         res.write(`${JSON.stringify(toJson(ev))}\n`);
-        if (res.writableLength > MAX_UNSENT) {
-          // The client reads far slower than the sandbox sends: stop instead of buffering without bound.
-          call.cancel();
-          res.destroy();
-        }
+        this.cutIfSlow(res, outlet, call);
       });
     } else {
       // One JSON answer holds every event: at most MAX_FRAME of them (a command's output grew
@@ -271,6 +267,23 @@ export class RestApi {
     }
   }
 
+  /** What a streamed answer holds unsent, in the server's budget (until the response closes). */
+  private unsentOf(res: ServerResponse): Outlet {
+    const outlet = this.ctx.unsent.open(() => res.writableLength);
+    res.once('close', () => outlet.close());
+    return outlet;
+  }
+
+  /** After a write: a client that reads far slower than its sandbox sends is cut off (not buffered without bound). */
+  private cutIfSlow(res: ServerResponse, outlet: Outlet, call: AgentCall): void {
+    const why = outlet.wrote();
+    if (!why) return;
+    this.ctx.log(`http: cutting off a streamed answer: ${why} (client too slow)`);
+    call.cancel();
+    res.destroy();
+    outlet.close();
+  }
+
   private async readRaw(_req: IncomingMessage, res: ServerResponse, id: string, url: URL): Promise<void> {
     const args: Record<string, unknown> = { path: url.searchParams.get('path') ?? undefined };
     for (const k of ['offset', 'length']) {
@@ -283,16 +296,12 @@ export class RestApi {
     const invalid = routedArgs.get('files.read')?.(args);
     if (invalid) throw new ServiceError('bad_request', invalid.replace('files.read: /path:', 'query path:'));
     const sb = this.ctx.manager.sandbox(id);
+    const outlet = this.unsentOf(res);
     const call = this.ctx.callAgent(sb, 'files.read', args, (ev) => {
-      if (ev.ev !== 'chunk' || !(ev.data instanceof Uint8Array)) return;
+      if (ev.ev !== 'chunk' || !(ev.data instanceof Uint8Array) || res.destroyed) return;
       if (!res.headersSent) res.writeHead(200, { 'Content-Type': 'application/octet-stream' });
-      if (res.writableLength > MAX_UNSENT) {
-        // The client reads far slower than the sandbox sends: stop instead of buffering without bound.
-        call.cancel();
-        res.destroy();
-        return;
-      }
       res.write(ev.data);
+      this.cutIfSlow(res, outlet, call);
     });
     const onGone = () => call.cancel();
     res.on('close', onGone);

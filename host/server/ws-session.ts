@@ -23,10 +23,9 @@ import {
   routedArgs,
   serverArgs,
 } from './validate.ts';
+import type { Outlet } from './unsent.ts';
 
 const ROUTED = new Set<string>(ROUTED_OPS);
-/** Unsent bytes a client may let pile up before its session is closed. */
-const MAX_BUFFERED = 256 * 1024 * 1024;
 /** Server ops that make sandboxes (what they make is killed if no client is left to learn of it). */
 const SPAWNING_OPS = new Set(['sandbox.create', 'sandbox.boot', 'sandbox.fork', 'sandbox.branch']);
 /**
@@ -60,11 +59,14 @@ export class WsSession {
   private stallTimer: ReturnType<typeof setTimeout> | undefined;
   /** Bumped when a stall forgets what was waiting (sends still pending then count no more). */
   private backlogGen = 0;
+  /** What this session holds unsent to its client, in the server's budget. */
+  private readonly outlet: Outlet;
 
   constructor(
     private readonly ws: WebSocket,
     private readonly ctx: ServerContext,
   ) {
+    this.outlet = ctx.unsent.open(() => ws.bufferedAmount);
     ws.on('message', (data, isBinary) => this.onMessage(data as Buffer | Buffer[] | ArrayBuffer, isBinary));
     ws.on('close', () => this.onClose());
     ws.on('error', () => {}); // 'close' follows; a broken socket is not the server's problem
@@ -327,14 +329,6 @@ export class WsSession {
 
   private send(frame: Record<string, unknown>): void {
     if (this.closed) return;
-    if (this.ws.bufferedAmount > MAX_BUFFERED) {
-      // The client reads slower than its sandboxes stream: rather than hold
-      // unbounded output in memory, end the session (its requests are cancelled).
-      this.ctx.log(`ws: closing a session with ${this.ws.bufferedAmount} bytes unsent (client too slow)`);
-      this.closed = true;
-      this.ws.close(1008, 'client too slow: more than 256 MiB unsent');
-      return;
-    }
     let bytes: Uint8Array;
     try {
       bytes = encodeFrame(frame);
@@ -351,6 +345,20 @@ export class WsSession {
       bytes = encodeFrame({ t: 'err', id: frame.id, code: 'internal', message: 'the answer could not be encoded (logged by the server)' });
     }
     this.ws.send(bytes, { binary: true });
+    const cut = this.outlet.wrote();
+    if (cut) this.cut(cut);
+  }
+
+  /**
+   * The client reads slower than its sandboxes stream: rather than hold more,
+   * end the session (its requests are cancelled). The close frame waits
+   * behind what is unsent, so the socket goes 1 s later whatever the client does.
+   */
+  private cut(why: string): void {
+    this.ctx.log(`ws: closing a session: ${why} (client too slow)`);
+    this.closed = true;
+    this.ws.close(1008, 'client too slow: too much unsent');
+    setTimeout(() => this.ws.terminate(), 1000).unref();
   }
 
   /** Heartbeat: true when the client answered the previous ping (else it is dropped). */
@@ -366,6 +374,7 @@ export class WsSession {
 
   private onClose(): void {
     this.closed = true;
+    this.outlet.close();
     clearTimeout(this.stallTimer);
     // The client is gone: its agent requests are cancelled so the agents free
     // what they hold; its sandboxes live on until their timeouts (those it was
