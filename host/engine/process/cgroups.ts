@@ -88,28 +88,46 @@ function removeStale(parent: string): void {
       for (const e of readdirSync(dir, { withFileTypes: true })) {
         if (!e.isDirectory()) continue;
         const sub = join(dir, e.name);
-        for (let tries = 0; ; tries++) {
-          try {
-            rmdirSync(sub);
-            break;
-          } catch (err) {
-            if ((err as NodeJS.ErrnoException).code !== 'EBUSY' || tries >= 50) break;
-            try {
-              writeFileSync(join(sub, 'freezer.state'), 'THAWED'); // (v1: frozen ones hold their SIGKILL)
-            } catch {}
-            try {
-              writeFileSync(join(sub, 'cgroup.freeze'), '0'); // (v2)
-            } catch {}
-            for (const pid of readFileSync(join(sub, 'cgroup.procs'), 'utf8').split('\n').filter(Boolean)) {
-              try {
-                process.kill(Number(pid), 'SIGKILL');
-              } catch {}
-            }
-            Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0, 10); // (they die asynchronously; start-up only)
-          }
+        for (let tries = 0; !removed(sub) && tries < 50; tries++) {
+          empty(sub);
+          Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0, 10); // (they die asynchronously; start-up only)
         }
       }
       rmdirSync(dir);
+    } catch {}
+  }
+}
+
+/** rmdir of a cgroup directory: whether it is gone (false while processes are in it, EBUSY). */
+function removed(dir: string): boolean {
+  try {
+    rmdirSync(dir);
+    return true;
+  } catch (e) {
+    return (e as NodeJS.ErrnoException).code === 'ENOENT';
+  }
+}
+
+/**
+ * What keeps a cgroup directory from going: thaws it (a frozen process holds
+ * its SIGKILL; v1 freezer or v2) and SIGKILLs the processes in it.
+ */
+function empty(dir: string): void {
+  for (const [file, value] of [
+    ['freezer.state', 'THAWED'],
+    ['cgroup.freeze', '0'],
+  ] as const) {
+    try {
+      writeFileSync(join(dir, file), value);
+    } catch {} // (not this version's file, or not a freezer hierarchy)
+  }
+  let pids: string[] = [];
+  try {
+    pids = readFileSync(join(dir, 'cgroup.procs'), 'utf8').split('\n').filter(Boolean);
+  } catch {}
+  for (const pid of pids) {
+    try {
+      process.kill(Number(pid), 'SIGKILL');
     } catch {}
   }
 }
@@ -230,7 +248,7 @@ export class CgroupTree {
         if (ctl.includes('cpu')) writeFileSync(join(dir, 'cpu.max'), `${Math.max(1000, Math.round(limits.cpus * 100000))} 100000`);
       }
     } catch (e) {
-      this.removeNow(cg);
+      for (const d of cg.dirs) removed(d); // (empty yet: nothing in it)
       throw e;
     }
     return cg;
@@ -302,40 +320,20 @@ export class CgroupTree {
 
   /**
    * Removes the cgroup once its processes are gone (they die asynchronously
-   * after their pid namespace's init: rmdir is retried until then).
+   * after their pid namespace's init: rmdir is retried until then, and what
+   * is still there is thawed and killed again).
    */
   async remove(cg: Cgroup, timeoutMs = 5000): Promise<void> {
     const deadline = Date.now() + timeoutMs;
     let wait = 1;
     for (;;) {
-      const left = this.removeNow(cg);
+      const left = cg.dirs.filter((d) => !removed(d));
       if (left.length === 0) return;
       if (Date.now() > deadline) throw new Error(`cgroup ${cg.name} still busy after ${timeoutMs} ms: ${left.join(', ')}`);
-      for (const pid of this.pids(cg)) {
-        try {
-          process.kill(pid, 'SIGKILL');
-        } catch {}
-      }
+      for (const d of left) empty(d);
       await new Promise((r) => setTimeout(r, wait));
       wait = Math.min(wait * 2, 50);
     }
-  }
-
-  private removeNow(cg: Cgroup): string[] {
-    const left: string[] = [];
-    for (const d of cg.dirs) {
-      try {
-        if (cg.frozen && d.startsWith(this.v1.get('freezer') ?? '\0')) {
-          try {
-            writeFileSync(join(d, 'freezer.state'), 'THAWED');
-          } catch {}
-        }
-        rmdirSync(d);
-      } catch (e) {
-        if ((e as NodeJS.ErrnoException).code !== 'ENOENT') left.push(d);
-      }
-    }
-    return left;
   }
 
   /** Removes the engine's directories (after every sandbox cgroup is gone). */
