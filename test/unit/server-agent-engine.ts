@@ -8,9 +8,10 @@
 import { type ChildProcess, spawn } from 'node:child_process';
 import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
+import { connect as netConnect } from 'node:net';
 import { join } from 'node:path';
 import { randomBytes } from 'node:crypto';
-import { type AgentClient, connectUnix } from '../../host/agent/client.ts';
+import { AgentClient, connectUnix } from '../../host/agent/client.ts';
 import type { BootOptions, Engine, ExitInfo, Sandbox, SandboxStats, TemplateInfo } from '../../host/engine/engine.ts';
 import { UserError } from '../../host/errors.ts';
 
@@ -115,4 +116,44 @@ export class AgentProcessEngine implements Engine {
     sb.exited.then(() => this.live.delete(sb));
     return sb;
   }
+}
+
+/**
+ * An Engine whose every sandbox's agent is a new connection to `sockPath`, a
+ * socket server of the test (a fake, or hostile, agent); sandbox ids are
+ * `<prefix>1`, `<prefix>2`, ... Only fork (sandbox.create) and kill work.
+ */
+export function socketAgentEngine(sockPath: string, prefix: string): Engine {
+  let made = 0;
+  return {
+    name: 'process',
+    isolation: 'a fake engine for tests',
+    async fork(): Promise<Sandbox[]> {
+      const sock = netConnect(sockPath);
+      await new Promise((r) => sock.once('connect', r));
+      let ended: (e: ExitInfo) => void = () => {};
+      const exited = new Promise<ExitInfo>((r) => {
+        ended = r;
+      });
+      const sb = {
+        id: `${prefix}${++made}`,
+        engine: 'process',
+        agent: new AgentClient(sock),
+        timings: { startedAt: 0, readyAt: 0 },
+        console: [],
+        exited,
+        async kill() {
+          sb.agent.close();
+          ended({ reason: 'killed' });
+        },
+        async stats() {
+          return { privateKiB: 0, counters: {} };
+        },
+        async pause() {},
+        async resume() {},
+      };
+      return [sb as unknown as Sandbox];
+    },
+    async close() {},
+  } as unknown as Engine;
 }

@@ -3,14 +3,13 @@
 // an error, and the server and the session go on. A fake engine hands out
 // one sandbox whose "agent" is a socket server of this test.
 import { mkdtempSync, rmSync } from 'node:fs';
-import { createServer, connect, type Server, type Socket } from 'node:net';
+import { createServer, type Server, type Socket } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import WebSocket from 'ws';
-import { AgentClient } from '../../host/agent/client.ts';
-import type { Engine, ExitInfo, Sandbox } from '../../host/engine/engine.ts';
+import type { Engine } from '../../host/engine/engine.ts';
 import { callAgentClient } from '../../host/server/agent-bridge.ts';
 import type { CallAgent } from '../../host/server/bridge.ts';
 import { createContext } from '../../host/server/context.ts';
@@ -18,6 +17,7 @@ import { SandboxManager } from '../../host/server/manager.ts';
 import { ForklingServer } from '../../host/server/server.ts';
 import { ServerMetrics } from '../../host/server/telemetry.ts';
 import { decodeFrame, encodeFrame, FrameReader, lengthPrefix, MAX_NESTING } from '../../protocol/codec.ts';
+import { socketAgentEngine } from './server-agent-engine.ts';
 
 const dir = mkdtempSync(join(tmpdir(), 'forkling-hostile-agent-'));
 const sockPath = join(dir, 'agent.sock');
@@ -46,7 +46,6 @@ function valueFor(code: string): Uint8Array {
 }
 
 let agentServer: Server;
-let forks = 0;
 let server: { srv: ForklingServer; url: string };
 let url = '';
 const logs: string[] = [];
@@ -81,40 +80,13 @@ async function session(serverUrl: string) {
   return { ask, send, lastId: () => n, close: () => ws.close() };
 }
 
-/** An engine whose every sandbox's agent is a connection to the fake agent above. */
-function makeEngine(): Engine {
-  return {
-    name: 'process',
-    isolation: 'a fake engine for tests',
-    async fork(): Promise<Sandbox[]> {
-      const sock = connect(sockPath);
-      await new Promise((r) => sock.once('connect', r));
-      let ended: (e: ExitInfo) => void = () => {};
-      const exited = new Promise<ExitInfo>((r) => {
-        ended = r;
-      });
-      const sb = {
-        id: `hostile${++forks}`,
-        engine: 'process',
-        agent: new AgentClient(sock),
-        timings: { startedAt: 0, readyAt: 0 },
-        console: [],
-        exited,
-        async kill() {
-          sb.agent.close();
-          ended({ reason: 'killed' });
-        },
-        async stats() {
-          return { privateKiB: 0, counters: {} };
-        },
-        async pause() {},
-        async resume() {},
-      };
-      return [sb as unknown as Sandbox];
-    },
-    async close() {},
-  } as unknown as Engine;
+/** A new sandbox's id, from sandbox.create's answer. */
+async function created(ask: (f: Record<string, unknown>) => Promise<Record<string, unknown>>): Promise<string> {
+  const res = await ask({ op: 'sandbox.create' });
+  assert.is(res.t, 'res', JSON.stringify(res));
+  return (res.sandbox as { id: string }).id;
 }
+
 
 test.before(async () => {
   agentServer = createServer((s: Socket) => {
@@ -141,7 +113,7 @@ test.before(async () => {
     s.on('error', () => {});
   });
   await new Promise<void>((r) => agentServer.listen(sockPath, r));
-  server = await startServer(makeEngine(), callAgentClient);
+  server = await startServer(socketAgentEngine(sockPath, 'hostile'), callAgentClient);
   url = server.url;
 });
 
@@ -178,8 +150,7 @@ test('an agent that answers what the host does not decode (nested too deep, a va
 
 test('a stream into an agent that stops reading: the server stops reading the client, then ends that request (5 s without progress); the session goes on', async () => {
   const { ask, send, lastId, close } = await session(url);
-  assert.is((await ask({ op: 'sandbox.create' })).t, 'res');
-  const sandbox = `hostile${forks}`;
+  const sandbox = await created(ask);
   const answer = ask({ op: 'files.write', sandbox, path: '/tmp/big', stream: true });
   const chunk = new Uint8Array(1 << 20);
   for (let i = 0; i < 80; i++) send({ t: 'ev', id: lastId(), ev: 'data', data: chunk });
@@ -221,11 +192,10 @@ test('an answer the server cannot encode ends that request with internal; the se
     const value = code === 'huge' ? 10n ** 30n : Number(code); // no msgpack integer holds 10^30
     return { done: Promise.resolve({ repr: '', type: '', timedOut: false, durationMs: 0, value }), async send() {}, cancel() {} };
   };
-  const second = await startServer(makeEngine(), callAgent);
+  const second = await startServer(socketAgentEngine(sockPath, 'hostile'), callAgent);
   try {
     const { ask, close } = await session(second.url);
-    assert.is((await ask({ op: 'sandbox.create' })).t, 'res');
-    const sandbox = `hostile${forks}`;
+    const sandbox = await created(ask);
     const bad = await ask({ op: 'eval', sandbox, code: 'huge' });
     assert.is(bad.t, 'err');
     assert.is(bad.code, 'internal');

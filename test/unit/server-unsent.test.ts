@@ -4,14 +4,12 @@
 // a socket server of this test that floods an eval's stdout on request.
 import { mkdtempSync, rmSync } from 'node:fs';
 import { request } from 'node:http';
-import { connect, createServer, type Server, type Socket } from 'node:net';
+import { createServer, type Server, type Socket } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import WebSocket from 'ws';
-import { AgentClient } from '../../host/agent/client.ts';
-import type { Engine, ExitInfo, Sandbox } from '../../host/engine/engine.ts';
 import { callAgentClient } from '../../host/server/agent-bridge.ts';
 import { createContext, type ServerContext } from '../../host/server/context.ts';
 import { SandboxManager } from '../../host/server/manager.ts';
@@ -20,6 +18,7 @@ import { ServerMetrics } from '../../host/server/telemetry.ts';
 import { CUT_MIN, MAX_OUTLET, UnsentBudget } from '../../host/server/unsent.ts';
 import { pollUntil } from '../../host/util/poll.ts';
 import { decodeFrame, encodeFrame, FrameReader, lengthPrefix } from '../../protocol/codec.ts';
+import { socketAgentEngine } from './server-agent-engine.ts';
 
 const MiB = 2 ** 20;
 
@@ -57,7 +56,6 @@ const sockPath = join(dir, 'agent.sock');
 const LIMIT = 8 * MiB;
 const CHUNK = 'x'.repeat(256 * 1024);
 let agentServer: Server;
-let forks = 0;
 let ctx: ServerContext;
 let srv: ForklingServer;
 let url = '';
@@ -97,39 +95,6 @@ function fakeAgent(s: Socket): void {
   s.on('error', () => {});
 }
 
-function makeEngine(): Engine {
-  return {
-    name: 'process',
-    isolation: 'a fake engine for tests',
-    async fork(): Promise<Sandbox[]> {
-      const sock = connect(sockPath);
-      await new Promise((r) => sock.once('connect', r));
-      let ended: (e: ExitInfo) => void = () => {};
-      const exited = new Promise<ExitInfo>((r) => {
-        ended = r;
-      });
-      const sb = {
-        id: `flood${++forks}`,
-        engine: 'process',
-        agent: new AgentClient(sock),
-        timings: { startedAt: 0, readyAt: 0 },
-        console: [],
-        exited,
-        async kill() {
-          sb.agent.close();
-          ended({ reason: 'killed' });
-        },
-        async stats() {
-          return { privateKiB: 0, counters: {} };
-        },
-        async pause() {},
-        async resume() {},
-      };
-      return [sb as unknown as Sandbox];
-    },
-    async close() {},
-  } as unknown as Engine;
-}
 
 /** A WebSocket session with a sandbox; `read: false` stops reading the socket once the eval is sent. */
 async function floodOverWs(mib: number, read: boolean) {
@@ -162,7 +127,7 @@ test.before(async () => {
   agentServer = createServer(fakeAgent);
   await new Promise<void>((r) => agentServer.listen(sockPath, r));
   const metrics = new ServerMetrics();
-  const manager = new SandboxManager({ engine: makeEngine(), metrics, memorySampleMs: 0 });
+  const manager = new SandboxManager({ engine: socketAgentEngine(sockPath, 'flood'), metrics, memorySampleMs: 0 });
   ctx = createContext({ manager, metrics, maxInFlight: 16, callAgent: callAgentClient, log: (l) => logs.push(l), maxUnsentBytes: LIMIT });
   srv = new ForklingServer({ ctx, auth: null });
   url = (await srv.listen('127.0.0.1', 0)).url;
