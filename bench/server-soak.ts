@@ -3,7 +3,8 @@
 // commands, background processes, file round trips, branches of branches,
 // sandboxes left to their timeouts, clients that vanish mid-request), then
 // waits for every sandbox to go and compares the server with its state
-// before: open fds, processes and cgroups of its engine, RSS. Prints the
+// before: open fds, processes and cgroups of its engine (with its spare forks:
+// `serve`'s default --spares 4), RSS. Prints the
 // figures; exits 1 on an unexpected answer or a leak.
 //   npx tsx bench/server-soak.ts [SECONDS=120] [WORKERS=6]
 import { spawn } from 'node:child_process';
@@ -56,6 +57,17 @@ const tree = (p: number): { procs: number; cgroups: number } => {
 // warm: the default template
 const warm = await Sandbox.create({ url });
 await warm.kill();
+/** Waits until the engine's processes stop changing for a second (its spare forks refilled). */
+async function settled(): Promise<void> {
+  let last = -1;
+  for (let i = 0; i < 60; i++) {
+    const now = tree(pid).procs;
+    if (now === last) return;
+    last = now;
+    await new Promise((r) => setTimeout(r, 1000));
+  }
+}
+await settled();
 const base = { fds: fds(), rss: rssKiB(), ...tree(pid) };
 console.log('baseline', base);
 
@@ -178,7 +190,7 @@ while (left.length > 0 && Date.now() - t0 < 40_000) {
   await new Promise((r) => setTimeout(r, 500));
   left = await Sandbox.list({ url });
 }
-await new Promise((r) => setTimeout(r, 1000));
+await settled();
 const after = { fds: fds(), rss: rssKiB(), ...tree(pid), sandboxes: left.length };
 console.log('after', after);
 const fdNames = readdirSync(`/proc/${pid}/fd`).map((f) => {

@@ -48,12 +48,19 @@ export function resolveEngine(choice: EngineChoice, kvm: { ok: boolean; why: str
  * printing the selection line (default: to stderr, so that stdout stays the
  * command's own output).
  */
-export async function openEngine(option?: string, opts: { log?: (line: string) => void } = {}): Promise<Engine> {
+export async function openEngine(
+  option?: string,
+  opts: {
+    log?: (line: string) => void;
+    /** The process engine's spare forks per template (its option `spares`; default: its own, $FORKLING_PROCESS_SPARES or 0). */
+    processSpares?: number;
+  } = {},
+): Promise<Engine> {
   const sel = resolveEngine(parseEngineChoice(option));
   (opts.log ?? ((l: string) => console.error(l)))(sel.line);
   if (sel.name === 'process') {
     const { ProcessEngine } = await import('./process/engine.ts');
-    return new ProcessEngine();
+    return new ProcessEngine(opts.processSpares !== undefined ? { spares: opts.processSpares } : {});
   }
   // Loaded only when chosen: a process-engine host never loads the VMM code.
   const { KvmEngine } = await import('./kvm/engine.ts');

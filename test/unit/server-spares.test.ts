@@ -1,0 +1,68 @@
+// `forkling serve --spares N` (process engine): N forks of each template are
+// kept ready, so that a new sandbox is one of them; they are refilled after.
+// Seen from outside: the engine's cgroups, one per fork, named by its id.
+import { existsSync, readdirSync } from 'node:fs';
+import { test } from 'uvu';
+import * as assert from 'uvu/assert';
+import { Sandbox } from '../../host/index.ts';
+import { pollUntil } from '../../host/util/poll.ts';
+import { serve, serverMode } from './server-harness.ts';
+
+/** Names of the cgroups of the engine of server process `pid` (the pids hierarchy on v1, else the unified one). */
+function engineCgroups(pid: number): string[] {
+  const names: string[] = [];
+  const find = (d: string, depth: number) => {
+    let entries: import('node:fs').Dirent[] = [];
+    try {
+      entries = readdirSync(d, { withFileTypes: true });
+    } catch {}
+    for (const e of entries) {
+      if (!e.isDirectory()) continue;
+      if (e.name.startsWith(`forkling-p${pid}-`)) {
+        for (const c of readdirSync(`${d}/${e.name}`, { withFileTypes: true })) if (c.isDirectory()) names.push(c.name);
+      } else if (depth < 6) find(`${d}/${e.name}`, depth + 1);
+    }
+  };
+  find(existsSync('/sys/fs/cgroup/pids') ? '/sys/fs/cgroup/pids' : '/sys/fs/cgroup', 0);
+  return names;
+}
+
+test('serve --spares 2: two forks wait per template; a new sandbox is one of them, and they are refilled', async () => {
+  if (serverMode() !== 'cli') return; // (the in-process server runs a helper engine without spares)
+  const srv = await serve({ extraArgs: ['--spares', '2'] });
+  try {
+    assert.ok(await pollUntil(() => /; 2 spare forks per template/.test(srv.log.join('')), 10_000), srv.log.join('')); // (logged after `listening`)
+    const pid = srv.proc!.pid!;
+    const first = await Sandbox.create({ url: srv.url }); // the default template's zygote starts, then its spares
+    const spares = () => engineCgroups(pid).filter((n) => !n.startsWith('z-') && n !== first.id);
+    if (!(await pollUntil(() => spares().length === 2, 20_000))) {
+      if (engineCgroups(pid).length === 0) return; // (a host without usable cgroups: nothing to see them by)
+      assert.unreachable(`spares: ${spares().join(', ')}`);
+    }
+    const waiting = spares();
+    const second = await Sandbox.create({ url: srv.url });
+    assert.ok(waiting.includes(second.id), `${second.id} is one of the spares ${waiting.join(', ')}`);
+    assert.is((await second.eval('6 * 7')).value, 42);
+    assert.ok(await pollUntil(() => spares().filter((n) => n !== second.id).length === 2, 20_000), 'refilled');
+  } finally {
+    await srv.stop();
+  }
+});
+
+test('serve --spares 0: none', async () => {
+  if (serverMode() !== 'cli') return;
+  const srv = await serve({ extraArgs: ['--spares', '0'] });
+  try {
+    assert.ok(await pollUntil(() => /; 0 spare forks per template/.test(srv.log.join('')), 10_000), srv.log.join(''));
+    const first = await Sandbox.create({ url: srv.url });
+    await new Promise((r) => setTimeout(r, 500)); // (a refill would have started by now: it follows the fork at once)
+    assert.equal(
+      engineCgroups(srv.proc!.pid!).filter((n) => !n.startsWith('z-') && n !== first.id),
+      [],
+    );
+  } finally {
+    await srv.stop();
+  }
+});
+
+test.run();
