@@ -809,7 +809,7 @@ test('a template outlives its engine: another engine forks it from its saved def
   }
 });
 
-test('spare forks: taken first, restored at hand-out (fresh randomness), refilled, killed at close', async () => {
+test('spare forks: taken first, restored when made (fresh randomness each), a dead one skipped, refilled, killed at close', async () => {
   const spareEngine = new ProcessEngine({ warn: () => {}, spares: 3 });
   let pids: number[] = [];
   try {
@@ -825,6 +825,14 @@ test('spare forks: taken first, restored at hand-out (fresh randomness), refille
     const spares = (spareEngine as unknown as { zygotes: Map<string, { spares: Sandbox[] }> }).zygotes.get(TEMPLATE)!.spares;
     pids = [...kids, ...spares].map(hostPid);
     assert.is(pids.filter(alive).length, 8);
+    // a spare whose agent died while it waited is not handed out
+    const dead = spares[0]!;
+    process.kill(hostPid(dead), 'SIGKILL');
+    assert.ok(await pollUntil(() => !(dead as unknown as { running: boolean }).running, 10_000), 'the engine saw it die');
+    const more = await spareEngine.fork(TEMPLATE, 3); // 2 spares + 1 fresh
+    assert.not.ok(more.some((k) => k.id === dead.id));
+    assert.equal(await Promise.all(more.map((k) => val(k.agent, 'WARM["answer"]'))), [42, 42, 42]);
+    pids.push(...more.map(hostPid));
   } finally {
     await spareEngine.close();
   }

@@ -59,7 +59,7 @@ export interface ProcessEngineOptions {
   /** Resolves an image name to its unpacked root filesystem. Default: host/images.ts ensureImage(). */
   rootfsOf?: (image: string) => Promise<string>;
   /**
-   * Forks to keep ready per template (set up, listening, not yet restored nor
+   * Forks to keep ready per template (set up, connected and restored, not yet
    * handed out): a fork takes these first and is refilled in the background.
    * Each costs a child's memory while it waits. Default $FORKLING_PROCESS_SPARES or 0.
    */
@@ -92,7 +92,7 @@ interface Zygote extends Root {
   client: AgentClient;
   limits: CgroupLimits;
   dead: boolean;
-  /** Forked, listening, not restored: handed out first by fork(). */
+  /** Forked, connected and restored, not handed out yet: fork() takes these first. */
   spares: ProcessSandbox[];
   refilling: Promise<void> | null;
   /** Fork requests whose children may still be in the zygote's cgroup: two at a time (see chunks()). */
@@ -236,6 +236,11 @@ class ProcessSandbox implements Sandbox {
   private resolveExit!: (e: ExitInfo) => void;
   killing = false;
   private ended = false;
+
+  /** Not ended (its agent's connection is open). */
+  get running(): boolean {
+    return !this.ended;
+  }
 
   constructor(
     readonly id: string,
@@ -710,9 +715,13 @@ export class ProcessEngine implements Engine {
     if (!Number.isInteger(n) || n < 1 || n > 1024) throw new UserError(`cannot fork ${n} children`, 'n must be an integer from 1 to 1024');
     const startedAt = performance.now();
     const z = await this.zygote(template);
-    const take = z.spares.splice(0, Math.min(n, z.spares.length));
+    const take: ProcessSandbox[] = [];
+    while (take.length < n && z.spares.length > 0) {
+      const s = z.spares.shift()!;
+      if (s.running) take.push(this.handOut(s, startedAt)); // (one whose agent died meanwhile has cleaned up after itself)
+    }
     const parts = await Promise.allSettled([
-      ...take.map((s) => this.activate(s, startedAt)),
+      ...take,
       ...chunks(n - take.length, z.limits.pids).map((k) =>
         this.spawnChildren(z.client, z.pid, 's', k, z.limits, template, true, startedAt, undefined, z.requests),
       ),
@@ -731,14 +740,8 @@ export class ProcessEngine implements Engine {
     return got;
   }
 
-  /** Restores a spare and hands it out. */
-  private async activate(s: ProcessSandbox, startedAt: number): Promise<ProcessSandbox> {
-    try {
-      await s.agent.restore({ entropy: randomBytes(64), hostname: s.id, sandboxId: s.id });
-    } catch (e) {
-      await s.kill();
-      throw e;
-    }
+  /** Hands out a spare (restored when it was made: its entropy is its own, it answers at once). */
+  private handOut(s: ProcessSandbox, startedAt: number): ProcessSandbox {
     s.timings = { startedAt, readyAt: performance.now() };
     this.sandboxes.add(s);
     return s;
@@ -746,6 +749,7 @@ export class ProcessEngine implements Engine {
 
   /** Tops the template's spares up to the target, in the background (one refill at a time, in requests of chunks()). */
   private refill(z: Zygote): void {
+    z.spares = z.spares.filter((s) => s.running);
     const want = this.spareTarget - z.spares.length;
     if (want <= 0 || z.refilling || z.dead || this.closed) return;
     z.refilling = Promise.allSettled(
@@ -779,7 +783,7 @@ export class ProcessEngine implements Engine {
     return this.spawnChildren(source.agent, source.hostPid, 'b', n, source.limits, source.template, true, performance.now(), source);
   }
 
-  /** Asks `parent` (a zygote or a sandbox) for n forks; places, connects and restores each. */
+  /** Asks `parent` (a zygote or a sandbox) for n forks; places, connects and restores each; `handOut`: they are live sandboxes now (not spares). */
   private async spawnChildren(
     parent: AgentClient,
     parentPid: number,
@@ -787,7 +791,7 @@ export class ProcessEngine implements Engine {
     n: number,
     limits: CgroupLimits,
     template: string,
-    restore = true,
+    handOut = true,
     startedAt = performance.now(),
     source?: ProcessSandbox,
     gate?: Gate,
@@ -845,8 +849,8 @@ export class ProcessEngine implements Engine {
               handshake = setTimeout(() => a.close(`child ${c.id}: its agent did not answer hello and restore within ${HANDSHAKE_MS / 1000} s`), HANDSHAKE_MS);
               // The restore goes out with the hello: one round trip less (frames are handled in order).
               const helloP = agent.hello();
-              const restored = restore ? agent.restore({ entropy: randomBytes(64), hostname: c.id, sandboxId: c.id }) : null;
-              restored?.catch(() => {});
+              const restored = agent.restore({ entropy: randomBytes(64), hostname: c.id, sandboxId: c.id });
+              restored.catch(() => {});
               const hello = await helloP;
               if (hello.sandboxId !== c.id) throw new Error(`child ${c.id}: its agent says it is ${JSON.stringify(hello.sandboxId)}`);
               await restored;
@@ -865,7 +869,7 @@ export class ProcessEngine implements Engine {
               sb.parent = source;
               source.branches.add(sb);
             }
-            if (restore) this.sandboxes.add(sb);
+            if (handOut) this.sandboxes.add(sb);
             made.push(sb);
             return sb;
           }),
