@@ -42,6 +42,8 @@ export function createContext(opts: {
   log: (line: string) => void;
   /** The server's budget of bytes unsent to clients (default 1 GiB). */
   maxUnsentBytes?: number;
+  /** How long an outlet may send nothing before it is cut (default 60 s; unsent.ts). */
+  unsentStallMs?: number;
 }): ServerContext {
   const { manager, maxInFlight, log } = opts;
   const serverName = `forkling/${packageVersion()}`;
@@ -115,7 +117,7 @@ export function createContext(opts: {
     metrics: opts.metrics,
     maxInFlight,
     serverName,
-    unsent: new UnsentBudget(opts.maxUnsentBytes),
+    unsent: new UnsentBudget(opts.maxUnsentBytes, { ...(opts.unsentStallMs !== undefined ? { stallMs: opts.unsentStallMs } : {}) }),
     log,
     serverOp,
     callAgent: opts.callAgent,

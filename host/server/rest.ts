@@ -222,11 +222,12 @@ export class RestApi {
     let call: AgentCall;
     if (ndjson) {
       res.writeHead(200, { 'Content-Type': 'application/x-ndjson', 'Cache-Control': 'no-store' });
-      const outlet = this.unsentOf(res);
+      const outlet = this.unsentOf(res, () => call);
       call = this.ctx.callAgent(sb, op, args, (ev) => {
         if (res.destroyed) return;
-        res.write(`${JSON.stringify(toJson(ev))}\n`);
-        this.cutIfSlow(res, outlet, call);
+        const line = `${JSON.stringify(toJson(ev))}\n`;
+        res.write(line);
+        outlet.wrote(Buffer.byteLength(line));
       });
     } else {
       // One JSON answer holds every event: at most MAX_FRAME of them (a command's output grew
@@ -267,21 +268,23 @@ export class RestApi {
     }
   }
 
-  /** What a streamed answer holds unsent, in the server's budget (until the response closes). */
-  private unsentOf(res: ServerResponse): Outlet {
-    const outlet = this.ctx.unsent.open(() => res.writableLength);
-    res.once('close', () => outlet.close());
+  /**
+   * What a streamed answer holds unsent, in the server's budget (unsent.ts)
+   * until the response closes; one the budget cuts loses its connection and
+   * its request (`call()`, once there is one) is cancelled.
+   */
+  private unsentOf(res: ServerResponse, call: () => AgentCall | undefined): Outlet {
+    const outlet = this.ctx.unsent.open(
+      () => res.writableLength,
+      (why) => {
+        this.ctx.log(`http: cutting off a streamed answer: ${why} (client too slow)`);
+        call()?.cancel();
+        res.destroy();
+      },
+    );
+    if (res.closed) outlet.close();
+    else res.once('close', () => outlet.close());
     return outlet;
-  }
-
-  /** After a write: a client that reads far slower than its sandbox sends is cut off (not buffered without bound). */
-  private cutIfSlow(res: ServerResponse, outlet: Outlet, call: AgentCall): void {
-    const why = outlet.wrote();
-    if (!why) return;
-    this.ctx.log(`http: cutting off a streamed answer: ${why} (client too slow)`);
-    call.cancel();
-    res.destroy();
-    outlet.close();
   }
 
   private async readRaw(_req: IncomingMessage, res: ServerResponse, id: string, url: URL): Promise<void> {
@@ -296,12 +299,13 @@ export class RestApi {
     const invalid = routedArgs.get('files.read')?.(args);
     if (invalid) throw new ServiceError('bad_request', invalid.replace('files.read: /path:', 'query path:'));
     const sb = this.ctx.manager.sandbox(id);
-    const outlet = this.unsentOf(res);
-    const call = this.ctx.callAgent(sb, 'files.read', args, (ev) => {
+    let call: AgentCall | undefined;
+    const outlet = this.unsentOf(res, () => call);
+    call = this.ctx.callAgent(sb, 'files.read', args, (ev) => {
       if (ev.ev !== 'chunk' || !(ev.data instanceof Uint8Array) || res.destroyed) return;
       if (!res.headersSent) res.writeHead(200, { 'Content-Type': 'application/octet-stream' });
       res.write(ev.data);
-      this.cutIfSlow(res, outlet, call);
+      outlet.wrote(ev.data.length);
     });
     const onGone = () => call.cancel();
     res.on('close', onGone);

@@ -66,7 +66,10 @@ export class WsSession {
     private readonly ws: WebSocket,
     private readonly ctx: ServerContext,
   ) {
-    this.outlet = ctx.unsent.open(() => ws.bufferedAmount);
+    this.outlet = ctx.unsent.open(
+      () => ws.bufferedAmount,
+      (why) => this.cut(why),
+    );
     ws.on('message', (data, isBinary) => this.onMessage(data as Buffer | Buffer[] | ArrayBuffer, isBinary));
     ws.on('close', () => this.onClose());
     ws.on('error', () => {}); // 'close' follows; a broken socket is not the server's problem
@@ -328,7 +331,8 @@ export class WsSession {
   }
 
   private send(frame: Record<string, unknown>): void {
-    if (this.closed) return;
+    // (ws counts what is sent after a close began in bufferedAmount without keeping it)
+    if (this.closed || this.ws.readyState !== this.ws.OPEN) return;
     let bytes: Uint8Array;
     try {
       bytes = encodeFrame(frame);
@@ -345,18 +349,18 @@ export class WsSession {
       bytes = encodeFrame({ t: 'err', id: frame.id, code: 'internal', message: 'the answer could not be encoded (logged by the server)' });
     }
     this.ws.send(bytes, { binary: true });
-    const cut = this.outlet.wrote();
-    if (cut) this.cut(cut);
+    this.outlet.wrote(bytes.length);
   }
 
   /**
-   * The client reads slower than its sandboxes stream: rather than hold more,
-   * end the session (its requests are cancelled). The close frame waits
-   * behind what is unsent, so the socket goes 1 s later whatever the client does.
+   * The client reads slower than its sandboxes stream (the server's budget of
+   * unsent bytes, unsent.ts): rather than hold more, end the session and cancel
+   * its requests. The close frame waits behind what is unsent, so the socket
+   * goes 1 s later whatever the client does.
    */
   private cut(why: string): void {
     this.ctx.log(`ws: closing a session: ${why} (client too slow)`);
-    this.closed = true;
+    this.cancelAll();
     this.ws.close(1008, 'client too slow: too much unsent');
     setTimeout(() => this.ws.terminate(), 1000).unref();
   }
@@ -373,12 +377,18 @@ export class WsSession {
   }
 
   private onClose(): void {
-    this.closed = true;
     this.outlet.close();
+    this.cancelAll();
+  }
+
+  /**
+   * The client is gone (or going): its agent requests are cancelled so the
+   * agents free what they hold; its sandboxes live on until their timeouts
+   * (those it was still waiting for go when made: killUnclaimed).
+   */
+  private cancelAll(): void {
+    this.closed = true;
     clearTimeout(this.stallTimer);
-    // The client is gone: its agent requests are cancelled so the agents free
-    // what they hold; its sandboxes live on until their timeouts (those it was
-    // still waiting for go when made: killUnclaimed).
     for (const entry of this.open.values()) entry.call?.cancel();
     this.open.clear();
   }

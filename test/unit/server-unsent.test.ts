@@ -22,31 +22,89 @@ import { socketAgentEngine } from './server-agent-engine.ts';
 
 const MiB = 2 ** 20;
 
-test('budget: an outlet under 1 MiB is never cut; over the budget the one writing with at least 1 MiB is, unless the others drained meanwhile', () => {
-  const b = new UnsentBudget(8 * MiB);
-  const held = { a: 0, b: 0, small: 0 };
-  const a = b.open(() => held.a);
-  const o = b.open(() => held.b);
-  const small = b.open(() => held.small);
+/** Outlets of a budget whose unsent bytes the test sets; `cuts` lists the names cut, in order. */
+function outlets(b: UnsentBudget) {
+  const held: Record<string, number> = {};
+  const cuts: string[] = [];
+  const why: string[] = [];
+  const open = (name: string) => {
+    held[name] = 0;
+    return b.open(
+      () => held[name]!,
+      (w) => {
+        cuts.push(name);
+        why.push(w);
+      },
+    );
+  };
+  return { held, cuts, why, open };
+}
+
+test('budget: past it, the outlets holding the most are cut, not the one that wrote; drained ones are read again first', () => {
+  const b = new UnsentBudget(8 * MiB, { stallMs: 1e9, refreshMs: 0 });
+  const { held, cuts, why, open } = outlets(b);
+  const a = open('a');
+  const o = open('o');
   held.a = 6 * MiB;
-  assert.is(a.wrote(), null, 'under the budget');
-  held.small = CUT_MIN - 1;
-  held.b = 3 * MiB;
-  // over the budget (9 MiB + ...): the small one writes, and is left alone
-  assert.is(small.wrote(), null);
-  // a drained meanwhile (not written since): read again, the server is under its budget after all
-  held.a = 0;
-  assert.is(o.wrote(), null);
-  assert.ok(b.total < 8 * MiB, `total ${b.total}`);
-  held.a = 7 * MiB;
-  assert.match(String(a.wrote()), /budget of 8 MiB/);
-  a.close();
-  assert.is(b.total, held.b + held.small, 'a closed outlet counts no more');
-  assert.is(a.wrote(), null, 'nor is it cut again');
-  // one outlet alone past its own cap
-  const big = new UnsentBudget(4 * MAX_OUTLET).open(() => MAX_OUTLET + 1);
-  assert.match(String(big.wrote()), /more than 256 MiB unsent to this client/);
+  a.wrote(6 * MiB);
+  assert.equal(cuts, [], 'under the budget');
+  held.o = 3 * MiB;
+  o.wrote(3 * MiB); // 9 MiB: a holds the most
+  assert.equal(cuts, ['a']);
+  assert.match(why[0]!, /budget of 8 MiB .* 6 MiB of it for this client, the most/);
+  assert.is(b.total, 3 * MiB, 'a cut outlet counts no more');
+  a.wrote(1); // (a cut outlet is closed: nothing more happens to it)
+  assert.equal(cuts, ['a']);
+  // one that drained meanwhile (not written since) is read again before anyone is cut
+  const c = open('c');
+  held.c = 6 * MiB;
+  c.wrote(6 * MiB); // 9 MiB by the last reads
+  assert.equal(cuts, ['a', 'c'], 'c holds the most now');
+  held.o = 0; // o drained meanwhile
+  const d = open('d');
+  held.d = 6 * MiB;
+  d.wrote(6 * MiB); // 3 + 6 = 9 MiB by the last reads, 6 MiB in truth
+  assert.equal(cuts, ['a', 'c'], 'nobody cut: read again, the server holds 6 MiB');
+  assert.is(b.total, 6 * MiB);
+  for (const x of [o, d]) x.close();
+  assert.is(b.total, 0);
+});
+
+test('budget: outlets under 64 KiB (clients that keep up) are never cut; one outlet over 256 MiB is', () => {
+  const b = new UnsentBudget(1 * MiB, { stallMs: 1e9, refreshMs: 0 });
+  const { held, cuts, open } = outlets(b);
+  const many = Array.from({ length: 20 }, (_, i) => open(`s${i}`));
+  for (const [i, o] of many.entries()) {
+    held[`s${i}`] = CUT_MIN - 1;
+    o.wrote(CUT_MIN - 1); // 20 x 64 KiB: over the budget, nobody to cut
+  }
+  assert.equal(cuts, []);
+  const big = open('big');
+  held.big = MAX_OUTLET + 1;
+  big.wrote(MAX_OUTLET + 1);
+  assert.equal(cuts, ['big']);
+  for (const o of many) o.close();
   assert.throws(() => new UnsentBudget(0), /positive/);
+});
+
+test('budget: an outlet of 64 KiB or more that sends nothing for the stall time is cut; one that sends is not', async () => {
+  const b = new UnsentBudget(1024 * MiB, { stallMs: 150 });
+  const { held, cuts, why, open } = outlets(b);
+  const stuck = open('stuck');
+  const moving = open('moving');
+  held.stuck = MiB;
+  stuck.wrote(MiB);
+  held.moving = MiB; // holds as much, but what it holds keeps going out
+  const feed = setInterval(() => moving.wrote(64 * 1024), 10);
+  try {
+    assert.ok(await pollUntil(() => cuts.length > 0, 5000));
+    await new Promise((r) => setTimeout(r, 300));
+  } finally {
+    clearInterval(feed);
+  }
+  assert.equal(cuts, ['stuck']);
+  assert.match(why[0]!, /no byte of the 1 MiB unsent to this client went out for 0.15 s/);
+  moving.close();
 });
 
 // ---------------------------------------------------------------- the server
@@ -187,6 +245,31 @@ test('REST: a streamed (NDJSON) answer the client stops reading is cut off past 
   const body = (await small.json()) as { value: number; events: unknown[] };
   assert.is(body.value, 1);
   assert.is(body.events.length, 4);
+});
+
+test('REST: an answer that ended but sits unread is cut after the stall time, under the budget too', async () => {
+  const metrics = new ServerMetrics();
+  const manager = new SandboxManager({ engine: socketAgentEngine(sockPath, 'stall'), metrics, memorySampleMs: 0 });
+  const log: string[] = [];
+  const ctx2 = createContext({ manager, metrics, maxInFlight: 16, callAgent: callAgentClient, log: (l) => log.push(l), maxUnsentBytes: 1024 * MiB, unsentStallMs: 300 });
+  const srv2 = new ForklingServer({ ctx: ctx2, auth: null });
+  const url2 = (await srv2.listen('127.0.0.1', 0)).url;
+  try {
+    const created = await fetch(`${url2}/v1/sandboxes`, { method: 'POST', body: '{}', headers: { 'content-type': 'application/json' } });
+    const { sandbox } = (await created.json()) as { sandbox: { id: string } };
+    const req = request(`${url2}/v1/sandboxes/${sandbox.id}/eval`, {
+      method: 'POST',
+      headers: { 'content-type': 'application/json', accept: 'application/x-ndjson' },
+    });
+    req.on('response', (r) => r.pause());
+    req.on('error', () => {});
+    req.end(JSON.stringify({ code: 'flood:48' }));
+    assert.ok(await pollUntil(() => log.some((l) => /http: cutting off a streamed answer: no byte of the \d+ MiB unsent to this client went out for 0.3 s/.test(l)), 20_000), log.join(' | '));
+    assert.ok(await pollUntil(() => ctx2.unsent.total === 0, 5000), `held after the cut: ${ctx2.unsent.total}`);
+    req.destroy();
+  } finally {
+    await srv2.shutdown(500);
+  }
 });
 
 test.run();
