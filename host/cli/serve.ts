@@ -99,8 +99,10 @@ export async function serveCommand(argv: string[]): Promise<number> {
   const maxInFlight = positiveInt('max-in-flight', str('max-in-flight'), DEFAULT_MAX_IN_FLIGHT);
   const drainMs = positiveInt('drain-ms', str('drain-ms'), 10_000, 0);
   const maxUnsentMiB = positiveInt('max-unsent-mib', str('max-unsent-mib'), 1024);
+  if (maxUnsentMiB > 2 ** 30) throw new UserError(`--max-unsent-mib ${maxUnsentMiB} is more than any host holds`, 'give MiB, e.g. 1024');
   // (the engine's own default is no spares: a one-shot `forkling fork` would only waste them)
-  const spares = str('spares') !== undefined || process.env.FORKLING_PROCESS_SPARES === undefined ? positiveInt('spares', str('spares'), DEFAULT_SPARES, 0) : undefined;
+  const sparesEnv = process.env.FORKLING_PROCESS_SPARES || undefined;
+  const spares = str('spares') !== undefined || sparesEnv === undefined ? positiveInt('spares', str('spares'), DEFAULT_SPARES, 0) : undefined;
   const auth = tokenFile ? await TokenAuth.fromFile(tokenFile) : null;
 
   const log = (line: string) => process.stderr.write(`forkling serve: ${line}\n`);
@@ -139,7 +141,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
   log(
     `engine ${engine.name}; auth ${auth ? 'bearer token' : 'none (loopback only)'}; ` +
       `max ${maxSandboxes} sandboxes; default timeout ${defaultTimeoutMs} ms` +
-      (engine.name === 'process' ? `; ${spares ?? `$FORKLING_PROCESS_SPARES (${process.env.FORKLING_PROCESS_SPARES})`} spare forks per template` : ''),
+      (engine.name === 'process' ? `; ${spares ?? `$FORKLING_PROCESS_SPARES (${sparesEnv})`} spare forks per template` : ''),
   );
 
   await new Promise<void>((resolve) => {

@@ -431,6 +431,32 @@ test('BRANCH to depth 3: each level sees every variable above it; sources keep r
   await Promise.all([b3, b2, b1, x, y, root].map((s) => s!.kill()));
 });
 
+test('a source that answers a BRANCH with the pid of its earlier branch: refused, and that branch lives on', async () => {
+  const [src] = await engine.fork(TEMPLATE, 1);
+  const [b1] = await engine.branch(src!, 1);
+  await val(b1!.agent, 'B = "b1 state"; 1');
+  // user code in the source answers the next branch request itself, naming b1 (its only other PID 1)
+  await val(
+    src!.agent,
+    `import sys, os
+def b1_pid():
+    for p in os.listdir('/proc'):
+        if p.isdigit() and p != '1':
+            status = open('/proc/%s/status' % p).read()
+            if [l for l in status.splitlines() if l.startswith('NSpid:')][0].split()[-1] == '1':
+                return int(p)
+forged = b1_pid()
+sys.modules['forkling_zygote']._agent_mod.OPS['branch'] = lambda agent, conn, f: {'children': [{'id': ch['id'], 'ok': True, 'pid': forged} for ch in f['children']]}
+forged is not None`,
+  );
+  await engine.branch(src!, 1).then(
+    () => assert.unreachable('the forged answer was taken'),
+    (e: Error) => assert.match(e.message, /which is another sandbox's or another child's/),
+  );
+  assert.is(await val(b1!.agent, 'B'), 'b1 state', 'b1 was not touched');
+  await Promise.all([b1, src].map((s) => s!.kill()));
+});
+
 test('killing a source leaves its branches running; the last branch to go takes the source with it', async () => {
   const [src] = await engine.fork(TEMPLATE, 1);
   await val(src!.agent, 'import subprocess\nS = "state of the source"; open("/tmp/src", "w").write("src file")\nP = subprocess.Popen(["sleep", "1000"])\n1');

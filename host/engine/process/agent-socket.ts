@@ -11,6 +11,8 @@ import { sandboxAddon } from './native.ts';
 
 /** The agent's socket, relative to a sandbox's root (it listens on /run/forkling/agent.sock). */
 export const AGENT_SOCKET = 'run/forkling/agent.sock';
+/** How long a sandbox's agent has to answer its first requests (hello; a fork's restore too). */
+export const HANDSHAKE_MS = 30_000;
 
 /** The fd libuv holds for a connected net.Socket (a Unix socket: a Pipe handle). */
 function fdOf(sock: Socket): number {
@@ -19,7 +21,11 @@ function fdOf(sock: Socket): number {
   return fd;
 }
 
-/** Connects to the agent of the sandbox whose PID 1 is host pid `pid`; by default also does the hello exchange. */
+/**
+ * Connects to the agent of the sandbox whose PID 1 is host pid `pid`; by
+ * default also does the hello exchange, which must end within HANDSHAKE_MS
+ * (the agent is code of the image and the template).
+ */
 export async function connectAgent(pid: number, opts: AgentClientOptions & { hello?: boolean } = {}): Promise<AgentClient> {
   const addon = sandboxAddon();
   const name = `/${AGENT_SOCKET} of sandbox process ${pid}`;
@@ -29,9 +35,11 @@ export async function connectAgent(pid: number, opts: AgentClientOptions & { hel
   } catch (e) {
     throw new Error(`cannot reach the agent at ${name}: ${(e as Error).message}`);
   }
+  let client: AgentClient;
   try {
-    return await connectUnix(`/proc/self/fd/${fd}`, {
+    client = await connectUnix(`/proc/self/fd/${fd}`, {
       ...opts,
+      hello: false,
       name,
       check: (sock) => {
         const peer = addon.sandboxPeerPid(fdOf(sock));
@@ -41,4 +49,15 @@ export async function connectAgent(pid: number, opts: AgentClientOptions & { hel
   } finally {
     closeSync(fd);
   }
+  if (opts.hello === false) return client;
+  const timer = setTimeout(() => client.close(`the agent at ${name} did not answer hello within ${HANDSHAKE_MS / 1000} s`), HANDSHAKE_MS);
+  try {
+    await client.hello();
+  } catch (e) {
+    client.close();
+    throw e;
+  } finally {
+    clearTimeout(timer);
+  }
+  return client;
 }

@@ -88,7 +88,7 @@ function removeStale(parent: string): void {
       for (const e of readdirSync(dir, { withFileTypes: true })) {
         if (!e.isDirectory()) continue;
         const sub = join(dir, e.name);
-        for (let tries = 0; !removed(sub) && tries < 50; tries++) {
+        for (let tries = 0; rmdirState(sub) === 'busy' && tries < 50; tries++) {
           empty(sub);
           Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0, 10); // (they die asynchronously; start-up only)
         }
@@ -98,13 +98,14 @@ function removeStale(parent: string): void {
   }
 }
 
-/** rmdir of a cgroup directory: whether it is gone (false while processes are in it, EBUSY). */
-function removed(dir: string): boolean {
+/** rmdir of a cgroup directory: gone, busy (processes are in it) or failed otherwise. */
+function rmdirState(dir: string): 'gone' | 'busy' | 'failed' {
   try {
     rmdirSync(dir);
-    return true;
+    return 'gone';
   } catch (e) {
-    return (e as NodeJS.ErrnoException).code === 'ENOENT';
+    const code = (e as NodeJS.ErrnoException).code;
+    return code === 'ENOENT' ? 'gone' : code === 'EBUSY' ? 'busy' : 'failed';
   }
 }
 
@@ -248,7 +249,7 @@ export class CgroupTree {
         if (ctl.includes('cpu')) writeFileSync(join(dir, 'cpu.max'), `${Math.max(1000, Math.round(limits.cpus * 100000))} 100000`);
       }
     } catch (e) {
-      for (const d of cg.dirs) removed(d); // (empty yet: nothing in it)
+      for (const d of cg.dirs) rmdirState(d); // (empty yet: nothing in it)
       throw e;
     }
     return cg;
@@ -327,7 +328,7 @@ export class CgroupTree {
     const deadline = Date.now() + timeoutMs;
     let wait = 1;
     for (;;) {
-      const left = cg.dirs.filter((d) => !removed(d));
+      const left = cg.dirs.filter((d) => rmdirState(d) !== 'gone');
       if (left.length === 0) return;
       if (Date.now() > deadline) throw new Error(`cgroup ${cg.name} still busy after ${timeoutMs} ms: ${left.join(', ')}`);
       for (const d of left) empty(d);

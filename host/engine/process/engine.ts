@@ -17,7 +17,7 @@ import { storePath, writeFileAtomic } from '../../store.ts';
 import { envFlag, envWhole } from '../../util/env.ts';
 import { pollUntil } from '../../util/poll.ts';
 import type { BootOptions, Engine, ExitInfo, Sandbox, SandboxStats, TemplateInfo, TemplateOptions } from '../engine.ts';
-import { AGENT_SOCKET, connectAgent } from './agent-socket.ts';
+import { AGENT_SOCKET, connectAgent, HANDSHAKE_MS } from './agent-socket.ts';
 import { type Cgroup, type CgroupLimits, CgroupTree } from './cgroups.ts';
 import { skeletonFor } from './skeleton.ts';
 import { sandboxAddon } from './native.ts';
@@ -46,8 +46,6 @@ const EXIT_WAIT_MS = 2000;
 const DEFAULT_ID_BASE = 0x6f000000;
 /** Most spare forks per template (each holds a child's memory). */
 const MAX_SPARES = 1024;
-/** How long a new child's agent has to answer hello and restore. */
-const HANDSHAKE_MS = 30_000;
 /** Children per fork request to a zygote (measured: 25 beat 10, 50 and one request for 100 on 2 cores). */
 const FORK_CHUNK = 25;
 
@@ -828,6 +826,9 @@ export class ProcessEngine implements Engine {
         throw new UserError(`${op}: the parent answered for ${answered.length} children, not for the ${n} asked for, each once`);
       }
       const byNs = byPid();
+      // A branch's source (user code in its PID 1) chooses the pids it answers with: never one
+      // of a sandbox we already have (we would move, restore and on failure kill it), nor one twice.
+      const taken = this.hostPids();
       const failed = res.children.filter((c) => !c.ok);
       const settled = Promise.allSettled(
         res.children
@@ -835,6 +836,8 @@ export class ProcessEngine implements Engine {
           .map(async (c) => {
             const hostPid = byNs.get(c.pid ?? -1);
             if (!ids.includes(c.id) || hostPid === undefined) throw new Error(`child ${c.id}: no such process under the ${op} parent`);
+            if (taken.has(hostPid)) throw new Error(`child ${c.id}: the ${op} parent answered with process ${hostPid}, which is another sandbox's or another child's`);
+            taken.add(hostPid);
             const cg = cgroups.get(c.id) ?? null;
             const moveAt = performance.now();
             if (cg) this.cgroups.enter(cg, hostPid);
@@ -898,6 +901,18 @@ export class ProcessEngine implements Engine {
 
   /** Where the time of the last fork or branch request went (benchmarks; a fork of more than 25 is several requests: the last one to finish): cgroups made, parent's reply (every child listening), all restored. */
   lastSpawn: { n: number; cgroupsMs: number; replyMs: number; readyMs: number; childSetupMsMedian: number; slowestMoveMs: number } | null = null;
+
+  /** Host pids of the PID 1s of every sandbox this engine holds (live, spare or held). */
+  private hostPids(): Set<number> {
+    const pids = new Set<number>();
+    for (const s of this.sandboxes) pids.add(s.hostPid);
+    for (const s of this.holding) pids.add(s.hostPid);
+    for (const z of [...this.zygotes.values(), ...this.retired]) {
+      pids.add(z.pid);
+      for (const s of z.spares) pids.add(s.hostPid);
+    }
+    return pids;
+  }
 
   warnLine(line: string): void {
     this.warn(line);

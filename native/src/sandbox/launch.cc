@@ -905,7 +905,7 @@ Napi::Value AgentSocket(const Napi::CallbackInfo& info) {
   } else if (fstat(fd, &st) != 0) {
     e = errno;
     what = "fstat";
-  } else if (!S_ISSOCK(st.st_mode)) {
+  } else if (!S_ISSOCK(st.st_mode)) {  // (what stops a link as the last component: O_PATH|O_NOFOLLOW opens the link itself)
     e = ENOTSOCK;
     what = "check";
   } else {
