@@ -1,5 +1,5 @@
-// Where the process engine keeps its runtime directories (agent sockets, one
-// directory and link per fork), and that it refuses one it does not own alone.
+// Where the process engine keeps its runtime directories (the stages of its
+// zygotes and cold-booted sandboxes), and that it refuses one it does not own alone.
 import { spawnSync } from 'node:child_process';
 import { chmodSync, chownSync, existsSync, mkdirSync, mkdtempSync, readdirSync, rmSync, symlinkSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';

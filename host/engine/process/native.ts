@@ -58,7 +58,7 @@ interface RawAddon {
    * /proc/self/fd/<fd>, then close it.
    */
   sandboxAgentSocket(pid: number, rel: string): number;
-  /** The pid (in our pid namespace) of the process that listened on the other end of a connected Unix socket. */
+  /** The pid (in our pid namespace) of the process that listened on the other end of a connected Unix socket; -1 once it has exited (where the kernel has SO_PEERPIDFD). */
   sandboxPeerPid(fd: number): number;
 }
 

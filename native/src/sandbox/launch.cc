@@ -49,6 +49,8 @@
 #include <dirent.h>
 
 #include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -923,17 +925,40 @@ Napi::Value AgentSocket(const Napi::CallbackInfo& info) {
   return Napi::Number::New(env, fd);
 }
 
+#ifndef SO_PEERPIDFD
+#define SO_PEERPIDFD 77
+#endif
+
 // sandboxPeerPid(fd) -> pid: the pid (in our pid namespace) of the process that
 // made the other end of a connected Unix socket (for an accepted connection,
-// the one that listened): whether the agent that answers is the sandbox's.
+// the one that listened), or -1 if that process has exited: whether the agent
+// that answers is the sandbox's. A pidfd of it (SO_PEERPIDFD, Linux 6.5) where
+// the kernel has one: SO_PEERCRED's pid is a number taken at listen(), which
+// a new process may have been given since that one exited.
 Napi::Value PeerPid(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   if (!info[0].IsNumber()) throw Napi::TypeError::New(env, "fd must be a number");
-  struct ucred cred;
-  socklen_t len = sizeof cred;
-  if (getsockopt(info[0].As<Napi::Number>().Int32Value(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
-    throw ErrnoError(env, "getsockopt SO_PEERCRED", errno);
+  int fd = info[0].As<Napi::Number>().Int32Value();
+  int pidfd = -1;
+  socklen_t len = sizeof pidfd;
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERPIDFD, &pidfd, &len) == 0) {
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/self/fdinfo/%d", pidfd);
+    int info_fd = open(path, O_RDONLY | O_CLOEXEC);
+    ssize_t n = info_fd < 0 ? -1 : read(info_fd, buf, sizeof buf - 1);
+    int e = errno;
+    if (info_fd >= 0) close(info_fd);
+    close(pidfd);
+    if (n < 0) throw ErrnoError(env, std::string("read ") + path, e);
+    buf[n] = 0;
+    const char* at = strstr(buf, "\nPid:");
+    if (!at) throw Napi::Error::New(env, std::string(path) + " has no Pid line");
+    return Napi::Number::New(env, strtol(at + 5, nullptr, 10));  // (-1: it has exited)
   }
+  if (errno != ENOPROTOOPT && errno != EINVAL) throw ErrnoError(env, "getsockopt SO_PEERPIDFD", errno);
+  struct ucred cred;
+  len = sizeof cred;
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) throw ErrnoError(env, "getsockopt SO_PEERCRED", errno);
   return Napi::Number::New(env, cred.pid);
 }
 
