@@ -264,21 +264,23 @@ test('a cancelled sandbox.fork, or one whose client went away, leaves no sandbox
   const c = await RawClient.open(srv.url, { token: TOKEN });
   const before = ((await c.request('sandbox.list', {})).sandboxes as unknown[]).length;
   const createdBefore = await created();
-  c.send({ t: 'req', id: 900, op: 'sandbox.fork', template: 'default', n: 2 });
+  // (5: more than the server's spare forks, so that each fork waits for new ones: a fork of
+  // spares alone can be answered before the cancel that follows it arrives)
+  c.send({ t: 'req', id: 900, op: 'sandbox.fork', template: 'default', n: 5 });
   c.send({ t: 'cancel', id: 900 });
   const answer = await c.next();
   assert.equal([answer.id, answer.t, answer.code], [900, 'err', 'cancelled']);
   const d = await RawClient.open(srv.url, { token: TOKEN });
-  d.send({ t: 'req', id: 901, op: 'sandbox.fork', template: 'default', n: 2 });
+  d.send({ t: 'req', id: 901, op: 'sandbox.fork', template: 'default', n: 5 });
   // ops that make nothing are only answered cancelled: what they name lives on
   d.send({ t: 'req', id: 902, op: 'sandbox.list' });
   d.send({ t: 'cancel', id: 902 });
   d.ws.terminate();
-  // both forks finish making their sandboxes (4 made), which then go
+  // both forks finish making their sandboxes (10 made), which then go
   const until = Date.now() + 20_000;
   for (;;) {
     const now = ((await c.request('sandbox.list', {})).sandboxes as unknown[]).length;
-    if (now === before && (await created()) >= createdBefore + 4) break;
+    if (now === before && (await created()) >= createdBefore + 10) break;
     if (Date.now() > until) assert.unreachable(`${now - before} sandboxes left behind`);
     await new Promise((r) => setTimeout(r, 50));
   }
