@@ -29,10 +29,11 @@ const USAGE = `usage: forkling serve [options]
   --max-timeout-ms <n>      longest timeout a client may set (default 86400000 = 24 hours)
   --max-in-flight <n>       open requests per WebSocket connection (default ${DEFAULT_MAX_IN_FLIGHT})
   --spares <n>              process engine: forks kept ready per template, so that a new sandbox needs no
-                            fork of its own (default ${DEFAULT_SPARES}, or $FORKLING_PROCESS_SPARES; 0: none); each
-                            holds an idle sandbox's memory (~2 MiB) and counts in no limit
+                            fork of its own (default $FORKLING_PROCESS_SPARES, else ${DEFAULT_SPARES}; 0: none);
+                            each holds an idle sandbox's memory (~2 MiB) and counts in no limit
   --max-unsent-mib <n>      most output held for clients that read slower than their sandboxes write, all
                             of them together (default 1024); past it, those holding the most are cut off
+                            (so is a client that takes none of 64 KiB or more for 60 s)
   --drain-ms <n>            on SIGTERM, how long open requests may still finish (default 10000)
   --tls-cert <file> --tls-key <file>   serve HTTPS/WSS
 
