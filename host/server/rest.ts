@@ -269,15 +269,15 @@ export class RestApi {
   }
 
   /**
-   * What a streamed answer holds unsent, in the server's budget (unsent.ts)
-   * until the response closes; one the budget cuts loses its connection and
-   * its request (`call()`, once there is one) is cancelled.
+   * What an answer holds unsent, in the server's budget (unsent.ts) until the
+   * response closes; one the budget cuts loses its connection and its request
+   * (`call()`, if it still runs) is cancelled.
    */
   private unsentOf(res: ServerResponse, call: () => AgentCall | undefined): Outlet {
     const outlet = this.ctx.unsent.open(
       () => res.writableLength,
       (why) => {
-        this.ctx.log(`http: cutting off a streamed answer: ${why} (client too slow)`);
+        this.ctx.log(`http: cutting off an answer: ${why} (client too slow)`);
         call()?.cancel();
         res.destroy();
       },
@@ -394,6 +394,8 @@ export class RestApi {
     const text = JSON.stringify(toJson(body));
     res.writeHead(status, { 'Content-Type': 'application/json', 'Content-Length': Buffer.byteLength(text) });
     res.end(text);
+    // (up to MAX_FRAME of events: held until the client reads it, so in the budget like a streamed one)
+    if (res.writableLength > 0) this.unsentOf(res, () => undefined).wrote(Buffer.byteLength(text));
   }
 
   private fail(res: ServerResponse, e: ServiceError): void {

@@ -232,7 +232,7 @@ test('REST: a streamed (NDJSON) answer the client stops reading is cut off past 
   });
   req.on('error', () => {});
   req.end(JSON.stringify({ code: 'flood:64' }));
-  const cut = () => logs.slice(before).some((l) => /http: cutting off a streamed answer: the server holds more than its budget/.test(l));
+  const cut = () => logs.slice(before).some((l) => /http: cutting off an answer: the server holds more than its budget/.test(l));
   assert.ok(await pollUntil(cut, 30_000), `cut: ${logs.slice(before).join(' | ')}`);
   assert.ok(await pollUntil(() => ctx.unsent.total < CUT_MIN, 10_000), `held after the cut: ${ctx.unsent.total}`);
   res?.destroy();
@@ -247,7 +247,7 @@ test('REST: a streamed (NDJSON) answer the client stops reading is cut off past 
   assert.is(body.events.length, 4);
 });
 
-test('REST: an answer that ended but sits unread is cut after the stall time, under the budget too', async () => {
+test('REST: an answer that ended but sits unread (streamed, or whole JSON) is cut after the stall time, under the budget too', async () => {
   const metrics = new ServerMetrics();
   const manager = new SandboxManager({ engine: socketAgentEngine(sockPath, 'stall'), metrics, memorySampleMs: 0 });
   const log: string[] = [];
@@ -264,9 +264,18 @@ test('REST: an answer that ended but sits unread is cut after the stall time, un
     req.on('response', (r) => r.pause());
     req.on('error', () => {});
     req.end(JSON.stringify({ code: 'flood:48' }));
-    assert.ok(await pollUntil(() => log.some((l) => /http: cutting off a streamed answer: no byte of the \d+ MiB unsent to this client went out for 0.3 s/.test(l)), 20_000), log.join(' | '));
+    assert.ok(await pollUntil(() => log.some((l) => /http: cutting off an answer: no byte of the \d+ MiB unsent to this client went out for 0.3 s/.test(l)), 20_000), log.join(' | '));
     assert.ok(await pollUntil(() => ctx2.unsent.total === 0, 5000), `held after the cut: ${ctx2.unsent.total}`);
     req.destroy();
+    // a whole JSON answer (its events collected: up to 16 MiB) left unread goes the same way
+    const cutsBefore = log.filter((l) => /cutting off an answer: no byte/.test(l)).length;
+    const whole = request(`${url2}/v1/sandboxes/${sandbox.id}/eval`, { method: 'POST', headers: { 'content-type': 'application/json' } });
+    whole.on('response', (r) => r.pause());
+    whole.on('error', () => {});
+    whole.end(JSON.stringify({ code: 'flood:12' }));
+    assert.ok(await pollUntil(() => log.filter((l) => /cutting off an answer: no byte/.test(l)).length > cutsBefore, 20_000), log.join(' | '));
+    assert.ok(await pollUntil(() => ctx2.unsent.total === 0, 5000), `held after the cut: ${ctx2.unsent.total}`);
+    whole.destroy();
   } finally {
     await srv2.shutdown(500);
   }
