@@ -69,6 +69,10 @@ const FLAKES = {
   // A booted guest that ran fine and then triple-faulted (reboot=k: Linux never resets that way;
   // boot.test's VM A once, 2026-11-30): what a request in flight then says (vm.ts).
   running: { what: 'a triple fault of a running guest', is: (m: string) => /^the VM \S+ stopped \(triple-fault/.test(m) },
+  // A boot that printed nothing at all in its whole ready time, its vCPU registers not even the
+  // guest's (cr3 past the guest's RAM): boot.test's panic VM once, 2026-12-01 (it panics within
+  // seconds everywhere else). The early triple fault's kin: the nested emulation, not the guest.
+  silent: { what: 'a boot with no guest output at all', is: (m: string) => /did not answer within/.test(m) && /the guest printed nothing/.test(m) },
 };
 export type LabFlake = keyof typeof FLAKES;
 
