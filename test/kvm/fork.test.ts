@@ -39,6 +39,9 @@ test.before(loud("the suite's set-up (test.before)", async () => {
   info = await labRetry('template boot', () => engine.createTemplate({ name: NAME, image: 'default', warmup: WARMUP }));
 }));
 
+/** A test that runs on hardware KVM only, not in the lab (see where it is used). */
+const notInLab = process.env.FORKLING_IN_LAB ? test.skip : test;
+
 labTest('the warm-up state is in every child; children are ready after restore', async () => {
   await engine.prepare(NAME); // (checks the template's files; the fork then finds them checked)
   await rejects(() => engine.prepare(`${NAME}-missing`), /does not exist/);
@@ -109,7 +112,11 @@ labTest('a file written in one child is absent in its siblings', async () => {
   }
 });
 
-labTest('children own few pages while alive; killing them frees their memory', async () => {
+// Not run in the lab (where the tiny guest's test in snapshot-vm.test.ts checks that killed
+// children leave no mapping): it froze the lab's kernel in 3 of about 9 runs on 2026-12-01
+// (a soft lockup in kvm-pit threads on both CPUs while three Linux VMs went, twice in a row in
+// one run): most likely the same lost TLB-flush IPI of QEMU's nested SVM as the reclaim test below.
+notInLab('children own few pages while alive; killing them frees their memory', async () => {
   const mem = join(templateDir(NAME), MEMORY_FILE);
   const kids = await fork(3);
   try {
@@ -128,7 +135,6 @@ labTest('children own few pages while alive; killing them frees their memory', a
 // sibling VM running on the other CPU; most likely the TLB-flush IPI of
 // MADV_DONTNEED lost by QEMU's emulated nested SVM). Reclaim is tested in
 // the lab with the tiny guest (snapshot-vm.test.ts); this runs on hardware KVM.
-const notInLab = process.env.FORKLING_IN_LAB ? test.skip : test;
 
 notInLab('reclaim: a child gives back the pages it wrote back to the template; its data, files and sibling are intact', async () => {
   const [a, b] = await fork(2);
