@@ -606,6 +606,40 @@ export class AgentClient {
   }
 }
 
+/**
+ * The first requests on a fresh connection, which must all be answered within
+ * `ms`: the agent runs the image's and the template's code and may never
+ * answer. On a miss the connection is closed (pending requests reject with
+ * code 'closed' and "`what` did not answer within …"); on any failure too.
+ */
+export async function answeredWithin<T>(client: AgentClient, ms: number, what: string, first: (c: AgentClient) => Promise<T>): Promise<T> {
+  const limit = Math.max(1, ms);
+  const timer = setTimeout(() => client.close(`${what} did not answer within ${limit >= 1000 ? `${Math.round(limit / 100) / 10} s` : `${Math.round(limit)} ms`}`), limit);
+  try {
+    return await first(client);
+  } catch (e) {
+    client.close();
+    throw e;
+  } finally {
+    clearTimeout(timer);
+  }
+}
+
+/**
+ * A new child's greeting: hello, with its restore (its own entropy, host name
+ * and sandbox id) sent at once behind it (frames are handled in order: one
+ * round trip). `expectId`: the sandbox id hello must report (a process fork
+ * knows its id before the restore; a restored VM still has its template's).
+ */
+export async function helloAndRestore(client: AgentClient, restore: OpArgs<'restore'>, expectId?: string): Promise<void> {
+  const hello = client.hello();
+  const restored = client.restore(restore);
+  restored.catch(() => {}); // (awaited below, unless hello failed first)
+  const h = await hello;
+  if (expectId !== undefined && h.sandboxId !== expectId) throw new Error(`its agent says it is ${JSON.stringify(h.sandboxId)}, not ${expectId}`);
+  await restored;
+}
+
 /** Connects to an agent's Unix socket; by default also does the hello exchange. */
 export async function connectUnix(
   path: string,

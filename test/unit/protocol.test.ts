@@ -5,7 +5,7 @@ import { readFileSync } from 'node:fs';
 import { Duplex } from 'node:stream';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
-import { AgentClient, AgentError } from '../../host/agent/client.ts';
+import { AgentClient, AgentError, answeredWithin, helloAndRestore } from '../../host/agent/client.ts';
 import {
   decodeFrame,
   MAX_NESTING,
@@ -304,6 +304,40 @@ test('client: timeout and abort cancel at the agent; close rejects what is pendi
   assert.is(e.code, 'closed');
   assert.is(((await a.client.ping().catch((x) => x)) as AgentError).code, 'closed');
   assert.ok(a.client.isClosed);
+});
+
+const HELLO = { agent: 'forkling-agent', version: 1, pid: 1, python: '3.11', limits: { maxFrame: MAX_FRAME, maxChunk: MAX_CHUNK }, ops: ['hello'] };
+const RESTORED = { entropy: { added: true, bytes: 64 }, reseeded: [], clock: { set: false }, hostname: { set: true }, sandboxId: "c1", durationUs: 5 };
+
+test("client: a new child's restore goes out behind its hello, before any answer; a child that names itself wrongly is refused", async () => {
+  const a = fakeAgent();
+  const done = helloAndRestore(a.client, { sandboxId: 'c1', hostname: 'c1' }, 'c1');
+  await a.tick();
+  assert.equal(a.sent.map((f) => f['op']), ['hello', 'restore']);
+  a.reply({ t: 'res', id: 1, ...HELLO, sandboxId: 'c1' });
+  a.reply({ t: 'res', id: 2, ...RESTORED });
+  await done;
+  const b = fakeAgent();
+  const wrong = helloAndRestore(b.client, { sandboxId: 'c1' }, 'c1').catch((e) => e as Error);
+  await b.tick();
+  b.reply({ t: 'res', id: 1, ...HELLO, sandboxId: 'other' });
+  assert.match((await wrong).message, /says it is "other", not c1/);
+});
+
+test('client: first answers not given within their limit close the connection with a clear reason', async () => {
+  const a = fakeAgent();
+  const t0 = performance.now();
+  const e = (await answeredWithin(a.client, 30, 'the agent of child c1', (c) => c.hello()).catch((x) => x)) as AgentError;
+  assert.ok(performance.now() - t0 >= 25);
+  assert.is(e.code, 'closed');
+  assert.is(e.message, 'the agent of child c1 did not answer within 30 ms');
+  assert.ok(a.client.isClosed);
+  const b = fakeAgent(); // answered in time: the connection stays open
+  const ok = answeredWithin(b.client, 5000, 'the agent', (c) => c.hello());
+  await b.tick();
+  b.reply({ t: 'res', id: 1, ...HELLO, sandboxId: null });
+  assert.is((await ok).pid, 1);
+  assert.not.ok(b.client.isClosed);
 });
 
 test('client: a request that cannot be encoded fails at once and is not left pending', async () => {

@@ -5,7 +5,7 @@
 // `restore` (fresh entropy, wall clock, hostname, sandbox id) before anything
 // else; the child is ready when that call returns.
 import { randomBytes } from 'node:crypto';
-import type { AgentClient } from '../../agent/client.ts';
+import { type AgentClient, answeredWithin, helloAndRestore } from '../../agent/client.ts';
 import { UserError } from '../../errors.ts';
 import type { NativeSnapshot } from './native-vm.ts';
 import { snapshotNative } from './snapshot-native.ts';
@@ -28,23 +28,9 @@ async function restoreAgent(sb: KvmSandbox, timeoutMs: number): Promise<AgentCli
     try {
       const client = await connectAgent(sb.vsockPath, AGENT_PORT, Math.min(left, 5000));
       // A restored agent answers at once; one that does not must not stall the fork past its limit.
-      let timer: NodeJS.Timeout | undefined;
-      try {
-        await Promise.race([
-          (async () => {
-            await client.hello();
-            await client.restore({ entropy: randomBytes(64), time: Date.now() / 1000, hostname: sb.id, sandboxId: sb.id });
-          })(),
-          new Promise<never>((_, reject) => {
-            timer = setTimeout(() => reject(new Error('no answer to hello/restore')), Math.max(1, deadline - performance.now()));
-          }),
-        ]);
-      } catch (e) {
-        client.close();
-        throw e;
-      } finally {
-        clearTimeout(timer);
-      }
+      await answeredWithin(client, deadline - performance.now(), 'the restored agent', (c) =>
+        helloAndRestore(c, { entropy: randomBytes(64), time: Date.now() / 1000, hostname: sb.id, sandboxId: sb.id }),
+      );
       return client;
     } catch (e) {
       // A child whose VM stopped has no socket any more: say why it stopped, not ENOENT.

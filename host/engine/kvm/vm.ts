@@ -6,7 +6,7 @@ import { randomBytes } from 'node:crypto';
 import { mkdirSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
-import { type AgentClient, AgentError } from '../../agent/client.ts';
+import { type AgentClient, AgentError, answeredWithin } from '../../agent/client.ts';
 import { UserError } from '../../errors.ts';
 import type { ExitInfo, Sandbox, SandboxStats } from '../engine.ts';
 import { type NativePreparedVm, type NativeSnapshot, type NativeVm, type NativeVmEvent, nativeVmClass } from './native-vm.ts';
@@ -309,23 +309,7 @@ export class KvmSandbox implements Sandbox {
           const client = await connectAgent(this.vsockPath, AGENT_PORT, Math.min(left, 10_000));
           // A connected agent answers at once; one that does not (a broken
           // data path) must not stall the boot past its limit.
-          let timer: NodeJS.Timeout | undefined;
-          try {
-            await Promise.race([
-              client.hello(),
-              new Promise((_, reject) => {
-                timer = setTimeout(
-                  () => reject(new AgentError('timeout', 'connected, but the agent did not answer hello within 10 s')),
-                  Math.min(Math.max(deadline - performance.now(), 1), 10_000),
-                );
-              }),
-            ]);
-          } catch (e) {
-            client.close();
-            throw e;
-          } finally {
-            clearTimeout(timer);
-          }
+          await answeredWithin(client, Math.min(deadline - performance.now(), 10_000), 'connected, but the agent', (c) => c.hello());
           this.client = client;
           return;
         } catch (e) {

@@ -6,7 +6,8 @@
 // branches' roots and could otherwise answer in their place).
 import { closeSync } from 'node:fs';
 import type { Socket } from 'node:net';
-import { type AgentClient, type AgentClientOptions, connectUnix } from '../../agent/client.ts';
+import type { OpArgs } from '../../../protocol/schema.ts';
+import { type AgentClient, type AgentClientOptions, answeredWithin, connectUnix, helloAndRestore } from '../../agent/client.ts';
 import { sandboxAddon } from './native.ts';
 
 /** The agent's socket, relative to a sandbox's root (it listens on /run/forkling/agent.sock). */
@@ -23,10 +24,12 @@ function fdOf(sock: Socket): number {
 
 /**
  * Connects to the agent of the sandbox whose PID 1 is host pid `pid`; by
- * default also does the hello exchange, which must end within HANDSHAKE_MS
- * (the agent is code of the image and the template).
+ * default also does the hello exchange, and with `restore` a new fork's
+ * restore sent behind it (hello must then report that sandbox id). Both must
+ * be answered within HANDSHAKE_MS (the agent runs the image's and the
+ * template's code).
  */
-export async function connectAgent(pid: number, opts: AgentClientOptions & { hello?: boolean } = {}): Promise<AgentClient> {
+export async function connectAgent(pid: number, opts: AgentClientOptions & { hello?: boolean; restore?: OpArgs<'restore'> } = {}): Promise<AgentClient> {
   const addon = sandboxAddon();
   const name = `/${AGENT_SOCKET} of sandbox process ${pid}`;
   let fd: number;
@@ -50,14 +53,7 @@ export async function connectAgent(pid: number, opts: AgentClientOptions & { hel
     closeSync(fd);
   }
   if (opts.hello === false) return client;
-  const timer = setTimeout(() => client.close(`the agent at ${name} did not answer hello within ${HANDSHAKE_MS / 1000} s`), HANDSHAKE_MS);
-  try {
-    await client.hello();
-  } catch (e) {
-    client.close();
-    throw e;
-  } finally {
-    clearTimeout(timer);
-  }
+  const restore = opts.restore;
+  await answeredWithin(client, HANDSHAKE_MS, `the agent at ${name}`, (c) => (restore ? helloAndRestore(c, restore, restore.sandboxId) : c.hello().then(() => {})));
   return client;
 }

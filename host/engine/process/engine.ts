@@ -17,7 +17,7 @@ import { storePath, writeFileAtomic } from '../../store.ts';
 import { envFlag, envWhole } from '../../util/env.ts';
 import { pollUntil } from '../../util/poll.ts';
 import type { BootOptions, Engine, ExitInfo, Sandbox, SandboxStats, TemplateInfo, TemplateOptions } from '../engine.ts';
-import { AGENT_SOCKET, connectAgent, HANDSHAKE_MS } from './agent-socket.ts';
+import { AGENT_SOCKET, connectAgent } from './agent-socket.ts';
 import { type Cgroup, type CgroupLimits, CgroupTree } from './cgroups.ts';
 import { skeletonFor } from './skeleton.ts';
 import { sandboxAddon } from './native.ts';
@@ -842,29 +842,15 @@ export class ProcessEngine implements Engine {
             const moveAt = performance.now();
             if (cg) this.cgroups.enter(cg, hostPid);
             slowestMoveMs = Math.max(slowestMoveMs, performance.now() - moveAt);
-            let agent: AgentClient | undefined;
-            let handshake: ReturnType<typeof setTimeout> | undefined;
+            let agent: AgentClient;
             try {
               // (connectAgent checks that the child itself listens there: a branch's source can reach its branches' roots)
-              agent = await connectAgent(hostPid, { hello: false });
-              const a = agent;
-              // (an agent may never answer: the child's own code is the template's or its source's)
-              handshake = setTimeout(() => a.close(`child ${c.id}: its agent did not answer hello and restore within ${HANDSHAKE_MS / 1000} s`), HANDSHAKE_MS);
-              // The restore goes out with the hello: one round trip less (frames are handled in order).
-              const helloP = agent.hello();
-              const restored = agent.restore({ entropy: randomBytes(64), hostname: c.id, sandboxId: c.id });
-              restored.catch(() => {});
-              const hello = await helloP;
-              if (hello.sandboxId !== c.id) throw new Error(`child ${c.id}: its agent says it is ${JSON.stringify(hello.sandboxId)}`);
-              await restored;
+              agent = await connectAgent(hostPid, { restore: { entropy: randomBytes(64), hostname: c.id, sandboxId: c.id } });
             } catch (e) {
-              agent?.close();
               try {
                 process.kill(hostPid, 'SIGKILL');
               } catch {}
-              throw e;
-            } finally {
-              clearTimeout(handshake);
+              throw new Error(`child ${c.id}: ${(e as Error).message}`);
             }
             const sb = new ProcessSandbox(c.id, agent, { startedAt, readyAt: performance.now() }, hostPid, cg, this, template, limits);
             cgroups.delete(c.id);
