@@ -8,8 +8,9 @@
 // figures; exits 1 on an unexpected answer or a leak.
 //   npx tsx bench/server-soak.ts [SECONDS=120] [WORKERS=6]
 import { spawn } from 'node:child_process';
-import { existsSync, readdirSync, readFileSync, readlinkSync } from 'node:fs';
+import { readdirSync, readFileSync, readlinkSync } from 'node:fs';
 import WebSocket from 'ws';
+import { engineDirsOf } from '../host/engine/process/cgroups.ts';
 import { Sandbox } from '../host/index.ts';
 import { decodeFrame, encodeFrame } from '../protocol/codec.ts';
 
@@ -39,19 +40,7 @@ const tree = (p: number): { procs: number; cgroups: number } => {
     } catch {}
     for (const e of readdirSync(d, { withFileTypes: true })) if (e.isDirectory()) walk(`${d}/${e.name}`);
   };
-  // (v1: in the pids hierarchy; v2: wherever the server's own cgroup is, a few levels down)
-  const find = (d: string, depth: number) => {
-    let entries: import('node:fs').Dirent[] = [];
-    try {
-      entries = readdirSync(d, { withFileTypes: true });
-    } catch {}
-    for (const e of entries) {
-      if (!e.isDirectory()) continue;
-      if (e.name.startsWith(`forkling-p${p}-`)) walk(`${d}/${e.name}`);
-      else if (depth < 6) find(`${d}/${e.name}`, depth + 1);
-    }
-  };
-  find(existsSync('/sys/fs/cgroup/pids') ? '/sys/fs/cgroup/pids' : '/sys/fs/cgroup', 0);
+  for (const d of engineDirsOf(p)) walk(d);
   return { procs, cgroups };
 };
 // warm: the default template

@@ -318,7 +318,10 @@ test("client: a new child's restore goes out behind its hello, before any answer
   a.reply({ t: 'res', id: 2, ...RESTORED });
   await done;
   const b = fakeAgent();
-  const wrong = helloAndRestore(b.client, { sandboxId: 'c1' }, 'c1').catch((e) => e as Error);
+  const wrong = helloAndRestore(b.client, { sandboxId: 'c1' }, 'c1').then(
+    () => new Error('accepted'),
+    (e: Error) => e,
+  );
   await b.tick();
   b.reply({ t: 'res', id: 1, ...HELLO, sandboxId: 'other' });
   assert.match((await wrong).message, /says it is "other", not c1/);

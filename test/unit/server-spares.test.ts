@@ -1,31 +1,17 @@
 // `forkling serve --spares N` (process engine): N forks of each template are
 // kept ready, so that a new sandbox is one of them; they are refilled after.
 // Seen from outside: the engine's cgroups, one per fork, named by its id.
-import { existsSync, readdirSync } from 'node:fs';
+import { readdirSync } from 'node:fs';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
+import { engineDirsOf } from '../../host/engine/process/cgroups.ts';
 import { Sandbox } from '../../host/index.ts';
 import { pollUntil } from '../../host/util/poll.ts';
 import { serve, serverMode } from './server-harness.ts';
 
-/** Names of the cgroups of the engine of server process `pid` (the pids hierarchy on v1, else the unified one). */
-function engineCgroups(pid: number): string[] {
-  const names: string[] = [];
-  const find = (d: string, depth: number) => {
-    let entries: import('node:fs').Dirent[] = [];
-    try {
-      entries = readdirSync(d, { withFileTypes: true });
-    } catch {}
-    for (const e of entries) {
-      if (!e.isDirectory()) continue;
-      if (e.name.startsWith(`forkling-p${pid}-`)) {
-        for (const c of readdirSync(`${d}/${e.name}`, { withFileTypes: true })) if (c.isDirectory()) names.push(c.name);
-      } else if (depth < 6) find(`${d}/${e.name}`, depth + 1);
-    }
-  };
-  find(existsSync('/sys/fs/cgroup/pids') ? '/sys/fs/cgroup/pids' : '/sys/fs/cgroup', 0);
-  return names;
-}
+/** The sandbox cgroups (each a sandbox's or a zygote's, z-...) of engine process `pid`. */
+const engineCgroups = (pid: number): string[] =>
+  engineDirsOf(pid).flatMap((d) => readdirSync(d, { withFileTypes: true }).flatMap((e) => (e.isDirectory() ? [e.name] : [])));
 
 test('serve --spares 2: two forks wait per template; a new sandbox is one of them, and they are refilled', async () => {
   if (serverMode() !== 'cli') return; // (the in-process server runs a helper engine without spares)

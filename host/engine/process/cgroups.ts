@@ -50,10 +50,10 @@ function mounts(): MountInfo[] {
 
 const unescapeMount = (s: string) => s.replace(/\\([0-7]{3})/g, (_, o: string) => String.fromCharCode(Number.parseInt(o, 8)));
 
-/** This process's cgroup paths: v1 controller -> path, and '' -> the v2 path. */
-function ownCgroups(): Map<string, string> {
+/** A process's cgroup paths (default: this process's): v1 controller -> path, and '' -> the v2 path. */
+function ownCgroups(pid: number | 'self' = 'self'): Map<string, string> {
   const m = new Map<string, string>();
-  for (const line of readFileSync('/proc/self/cgroup', 'utf8').split('\n')) {
+  for (const line of readFileSync(`/proc/${pid}/cgroup`, 'utf8').split('\n')) {
     const [, ctrls, path] = /^\d+:([^:]*):(.*)$/.exec(line) ?? [];
     if (ctrls === undefined || path === undefined) continue;
     if (ctrls === '') m.set('', path);
@@ -66,6 +66,27 @@ function under(mount: MountInfo, path: string): string {
   // The mount shows the hierarchy from mount.root; our path is absolute in the hierarchy.
   const rel = mount.root === '/' ? path : path.startsWith(mount.root) ? path.slice(mount.root.length) : path;
   return join(mount.mountPoint, rel);
+}
+
+/**
+ * The engine directories (forkling-p<pid>-...) of engine process `pid`, in
+ * the pids hierarchy (v1) or the unified one (v2): what a check from outside
+ * (tests, benchmarks) counts an engine's cgroups and processes by.
+ */
+export function engineDirsOf(pid: number): string[] {
+  const ms = mounts();
+  const paths = ownCgroups(pid);
+  const v1 = ms.find((x) => x.fstype === 'cgroup' && x.superOptions.includes('pids'));
+  const v2 = ms.find((x) => x.fstype === 'cgroup2');
+  const path = v1 ? paths.get('pids') : paths.get('');
+  const mount = v1 ?? v2;
+  if (!mount || path === undefined) return [];
+  const parent = under(mount, path);
+  let names: string[] = [];
+  try {
+    names = readdirSync(parent);
+  } catch {}
+  return names.filter((n) => n.startsWith(`forkling-p${pid}-`)).map((n) => join(parent, n));
 }
 
 /**
