@@ -221,7 +221,10 @@ try {
   // (Seen on Linux 6.18: once favordynmods had been on, moves stayed quick after it was turned off again.)
   console.log(`cgroup moves: ${cgroupMoveCheck().detail}`);
   if (SPARES) console.log('\nwith 100 spare forks waiting per template (option spares; each spare holds a child\'s memory):');
-  for (const r of spareRows) console.log(`${String(r.n).padStart(5)} | all answered in ${r.ms.toFixed(1)} ms`);
+  for (const r of spareRows) {
+    const cold = rows.find((x) => x.n === r.n)?.coldMs;
+    console.log(`${String(r.n).padStart(5)} | all answered in ${r.ms.toFixed(1)} ms${cold === undefined ? '' : ` (cold/spares ${(cold / r.ms).toFixed(1)}x)`}`);
+  }
   console.log('\nwhere the fork time went (ms from the fork call; for N > 25, the last of its requests to the zygote to finish):');
   for (const r of rows) console.log(`${String(r.n).padStart(5)} | ${r.split}`);
   console.log(`\nload average while measuring: ${(await import('node:os')).loadavg().map((x) => x.toFixed(2)).join(' ')} on ${(await import('node:os')).cpus().length} cores`);
