@@ -47,6 +47,11 @@ What becomes what:
   an epoll instance                                   a new one with the same
                                                       registrations (on the
                                                       child's fds)
+  any other directory, or a file on another mount     closed in the child: a
+  (/proc, /run, /sys; a removed directory)            directory leads on (`..`,
+                                                      /proc/<pid>/root of a
+                                                      sibling) and /proc/self/mem
+                                                      of the parent is its memory
 
   another fd of the parent's eval output pipes     the same of the child's
   (fds 1 and 2 while it runs evals)                   (outputs_to_own)
@@ -55,7 +60,7 @@ Left shared (see host/engine/process/README.md): fd 0 and other fds of the
 host's console (the agent keeps its own: Console in forkling_agent.py), other sockets (a connection or a
 listener has no copy to make), datagram and seqpacket pairs (their queued
 messages cannot be read without taking them), timerfd, signalfd, inotify,
-named files on other mounts (/run, /proc).
+character devices (/dev/null: the sandbox binds its own in their place).
 """
 
 import ctypes
@@ -111,7 +116,7 @@ def inherited(own, outputs, console_fds):
     named, unnamed = [], {}  # unnamed: (dev, ino) -> [fds], one copy each
     unnamed_paths = {}  # what /proc/self/maps calls an unnamed file -> its key
     named_paths = set()
-    pipes, socks, eventfds, epolls, outs = {}, {}, {}, [], []
+    pipes, socks, eventfds, epolls, outs, closed = {}, {}, {}, [], [], []
     for name in os.listdir('/proc/self/fd'):
         fd = int(name)
         if fd in own or fd <= 2:
@@ -138,11 +143,12 @@ def inherited(own, outputs, console_fds):
         elif stat.S_ISREG(mode) and (st.st_nlink == 0 or path.endswith(_DELETED)):
             unnamed.setdefault(key, []).append(fd)  # unlinked, O_TMPFILE, memfd: copied
             unnamed_paths[path] = key
-        elif stat.S_ISDIR(mode) and path.endswith(_DELETED):
-            continue  # a removed directory: nothing in it to copy, nothing to reach through it
-        elif (stat.S_ISREG(mode) or stat.S_ISDIR(mode)) and path.startswith('/') and sb.get(_mount_id(fd)) in ours:
+        elif (stat.S_ISREG(mode) or stat.S_ISDIR(mode)) and path.startswith('/') and not path.endswith(_DELETED) \
+                and sb.get(_mount_id(fd)) in ours:
             named.append((fd, key, path))  # opened again by name in the child's root
             named_paths.add(path)
+        elif stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+            closed.append((fd, key))  # another mount's, or a removed directory: never left shared
     pairs = []
     if socks:
         try:
@@ -158,11 +164,11 @@ def inherited(own, outputs, console_fds):
         shm = bool(os.listdir('/dev/shm'))
     except OSError:
         shm = False
-    if not (named or unnamed or maps or shm or pipes or pairs or eventfds or epolls or outs):
+    if not (named or unnamed or maps or shm or pipes or pairs or eventfds or epolls or outs or closed):
         return None
     return {'named': named, 'unnamed': list(unnamed.items()), 'maps': maps, 'shm': shm,
             'pipes': list(pipes.items()), 'pairs': pairs, 'eventfds': list(eventfds.values()), 'epolls': epolls,
-            'outputs': outs}
+            'outputs': outs, 'closed': closed}
 
 
 def _shared_maps(unnamed, unnamed_paths, named_paths, ours, sb):
@@ -275,6 +281,9 @@ def rehome(plan, log):
     """In the child: see the module's docstring. Epoll instances last: their
     registrations name the other fds by number."""
     copies = {}  # (dev, ino) of an unnamed file -> a memfd with its bytes (for its fds and mappings)
+    closing = [fd for fd, key in plan['closed'] if _is(fd, key)]
+    if closing:
+        _drop(closing, 'a directory, or a file of another mount than its root: nothing to copy it to', log)
     for key, fds in plan['unnamed']:
         fds = [fd for fd in fds if _is(fd, key)]
         if not fds:

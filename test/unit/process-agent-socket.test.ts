@@ -9,6 +9,7 @@ import { join } from 'node:path';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import { sandboxAddon } from '../../host/engine/process/native.ts';
+import { ProcessRef } from '../../host/engine/process/process-ref.ts';
 
 const dir = mkdtempSync(join(tmpdir(), 'forkling-agent-socket-'));
 const rel = (p: string) => p.slice(1); // (relative to our root, /)
@@ -96,6 +97,29 @@ while True:
     s.destroy();
     process.kill(copy, 'SIGKILL');
   }
+});
+
+
+test('a process held by a pidfd: signalled while it lives, its exit seen; after, signals reach nothing (never a later process of that number)', async () => {
+  const addon = sandboxAddon();
+  const child = spawn('sleep', ['100'], { stdio: 'ignore' });
+  await new Promise((r) => child.once('spawn', r));
+  const ref = new ProcessRef(child.pid!);
+  assert.ok(ref.alive);
+  assert.ok(ref.signal('SIGCONT'), 'sent while it lives');
+  let exited = false;
+  void ref.exited.then(() => {
+    exited = true;
+  });
+  assert.not.ok(exited);
+  assert.ok(ref.signal('SIGKILL'));
+  await ref.exited;
+  await new Promise((r) => (child.exitCode !== null || child.signalCode !== null ? r(null) : child.once('exit', r))); // reaped by Node
+  assert.not.ok(ref.alive);
+  assert.is(ref.signal('SIGKILL'), false, 'gone: nothing to signal, no error');
+  ref.release();
+  assert.is(ref.signal('SIGKILL'), false, 'released');
+  assert.throws(() => addon.sandboxPidfd(2 ** 22 + 7), (e: NodeJS.ErrnoException) => e.code === 'ESRCH' || e.code === 'EINVAL');
 });
 
 test.run();

@@ -264,7 +264,9 @@ export class CgroupTree {
         const ctl = readFileSync(join(dir, 'cgroup.controllers'), 'utf8');
         if (ctl.includes('memory')) {
           writeFileSync(join(dir, 'memory.max'), String(limits.memoryBytes));
-          writeFileSync(join(dir, 'memory.swap.max'), '0');
+          // (the file exists only where the kernel accounts swap)
+          const swap = join(dir, 'memory.swap.max');
+          if (existsSync(swap)) writeFileSync(swap, '0');
         }
         if (ctl.includes('pids')) writeFileSync(join(dir, 'pids.max'), String(limits.pids));
         if (ctl.includes('cpu')) writeFileSync(join(dir, 'cpu.max'), `${Math.max(1000, Math.round(limits.cpus * 100000))} 100000`);
@@ -328,16 +330,22 @@ export class CgroupTree {
     if (this.mode === 'v1' && this.v1.has('freezer')) {
       const d = cg.dirs.find((x) => x.startsWith(this.v1.get('freezer')!));
       if (!d) return false;
-      writeFileSync(join(d, 'freezer.state'), frozen ? 'FROZEN' : 'THAWED');
-      cg.frozen = frozen;
-      return true;
+      return this.writeFreeze(cg, join(d, 'freezer.state'), frozen ? 'FROZEN' : 'THAWED', frozen);
     }
-    if (this.mode === 'v2' && cg.dirs[0]) {
-      writeFileSync(join(cg.dirs[0], 'cgroup.freeze'), frozen ? '1' : '0');
-      cg.frozen = frozen;
-      return true;
-    }
+    if (this.mode === 'v2' && cg.dirs[0]) return this.writeFreeze(cg, join(cg.dirs[0], 'cgroup.freeze'), frozen ? '1' : '0', frozen);
     return false;
+  }
+
+  /** false once the cgroup is gone (removed meanwhile: its sandbox ended), rather than an error for a caller to lose. */
+  private writeFreeze(cg: Cgroup, file: string, value: string, frozen: boolean): boolean {
+    try {
+      writeFileSync(file, value);
+    } catch (e) {
+      if ((e as NodeJS.ErrnoException).code === 'ENOENT') return false;
+      throw e;
+    }
+    cg.frozen = frozen;
+    return true;
   }
 
   /**

@@ -15,9 +15,9 @@ import { checkName, UserError } from '../../errors.ts';
 import { ensureImage } from '../../images.ts';
 import { storePath, writeFileAtomic } from '../../store.ts';
 import { envFlag, envWhole } from '../../util/env.ts';
-import { pollUntil } from '../../util/poll.ts';
 import type { BootOptions, Engine, ExitInfo, Sandbox, SandboxStats, TemplateInfo, TemplateOptions } from '../engine.ts';
 import { AGENT_SOCKET, connectAgent } from './agent-socket.ts';
+import { ProcessRef } from './process-ref.ts';
 import { type Cgroup, type CgroupLimits, CgroupTree } from './cgroups.ts';
 import { skeletonFor } from './skeleton.ts';
 import { sandboxAddon } from './native.ts';
@@ -36,6 +36,8 @@ const DEFAULT_MEMORY_MIB = 512;
 const DEFAULT_PIDS = 512;
 /** How long a killed sandbox's PID 1 is waited for before its cgroup's removal is tried anyway (and retried). */
 const EXIT_WAIT_MS = 2000;
+/** After a sandbox's PID 1 exited, how long its connection may stay open before the sandbox is ended anyway. */
+const EXIT_GRACE_MS = 1000;
 /**
  * As root, sandbox ids 0-65535 are host ids from here ($FORKLING_PROCESS_ID_BASE):
  * unprivileged ones in the range systemd leaves to containers (524288-1879048191).
@@ -75,6 +77,8 @@ export interface ProcessEngineOptions {
 /** A launched namespace root (zygote or cold-booted sandbox) and what the host holds for it. */
 interface Root {
   pid: number;
+  /** Its PID 1, by pidfd: signals go there only. */
+  proc: ProcessRef;
   keeperPid: number;
   dir: string;
   console: string[];
@@ -144,23 +148,35 @@ function childrenByThread(pid: number): number[][] {
  * children (a zygote's forks are children of its fork server). Newest children first, and only
  * until every wanted pid is found (a zygote may have hundreds of live forks).
  */
-function forksByNsPid(pid: number, want: ReadonlySet<number>, viaServer: boolean): Map<number, number> {
-  const out = new Map<number, number>();
+function forksByNsPid(pid: number, want: ReadonlySet<number>, viaServer: boolean): Map<number, ProcessRef> {
+  const out = new Map<number, ProcessRef>();
+  const nsPids = (k: number): number[] | undefined => {
+    try {
+      return /^NSpid:\s+(.*)$/m.exec(readFileSync(`/proc/${k}/status`, 'utf8'))?.[1]?.trim().split(/\s+/).map(Number);
+    } catch {
+      return undefined;
+    }
+  };
   const scan = (parent: number, deeper: boolean): void => {
     for (const kids of childrenByThread(parent)) {
       for (let i = kids.length - 1; i >= 0 && out.size < want.size; i--) {
         const k = kids[i]!;
-        let ns: number[] | undefined;
-        try {
-          ns = /^NSpid:\s+(.*)$/m.exec(readFileSync(`/proc/${k}/status`, 'utf8'))?.[1]?.trim().split(/\s+/).map(Number);
-        } catch {
-          continue;
-        }
+        const ns = nsPids(k);
         if (!ns) continue;
         // NSpid: host pid, then the pid in each nested namespace. A fork is 1 in
         // its own; the namespace of the process that forked it is the one before.
         if (ns.length >= 3 && ns[ns.length - 1] === 1) {
-          if (want.has(ns[ns.length - 2]!)) out.set(ns[ns.length - 2]!, k);
+          const inParent = ns[ns.length - 2]!;
+          if (!want.has(inParent) || out.has(inParent)) continue;
+          // Held by a pidfd from here on; read again through it, so that it is this process's, not a later one's.
+          let ref: ProcessRef;
+          try {
+            ref = new ProcessRef(k);
+          } catch {
+            continue;
+          }
+          if (nsPids(k)?.join(' ') === ns.join(' ')) out.set(inParent, ref);
+          else ref.release();
         } else if (deeper) scan(k, false);
       }
     }
@@ -245,8 +261,8 @@ class ProcessSandbox implements Sandbox {
     readonly agent: AgentClient,
     /** Set again when a spare is handed out (its fork call is when it started, for the caller). */
     public timings: { startedAt: number; readyAt: number },
-    /** Host pid of the sandbox's PID 1 (its agent). */
-    readonly hostPid: number,
+    /** The sandbox's PID 1 (its agent). */
+    readonly proc: ProcessRef,
     readonly cgroup: Cgroup | null,
     private readonly owner: ProcessEngine,
     readonly template: string,
@@ -260,11 +276,30 @@ class ProcessSandbox implements Sandbox {
     });
     // The engine's connection is the sandbox's lifeline: when it ends (the
     // agent died, or it was closed), the sandbox is killed and cleaned up.
-    void agent.closed.then((why) => this.end(why.message));
+    // So is its PID 1's exit, in case the connection outlives it (its code
+    // can pass the socket on to another process): after a grace period in
+    // which the connection's last frames and its end normally arrive.
+    void agent.closed.then((why) => this.endQuietly(why.message));
+    void proc.exited.then(() => {
+      if (this.ended) return;
+      setTimeout(() => void this.endQuietly('its PID 1 exited; another process held its connection open'), EXIT_GRACE_MS).unref();
+    });
+  }
+
+  /** Host pid of the sandbox's PID 1. */
+  get hostPid(): number {
+    return this.proc.pid;
+  }
+
+  /** end(), for the lifelines: a failure of ours is reported, never thrown where no one catches it. */
+  private endQuietly(why: string): Promise<void> {
+    return this.end(why).catch((e: Error) => this.owner.warnLine(`forkling: sandbox ${this.id}: ending it failed: ${e.stack ?? e.message}`));
   }
 
   /** Set for a branch: the sandbox it was branched from. */
   parent: ProcessSandbox | null = null;
+  /** The zygote it was forked from (a branch: its source's), whose pid namespace it lives in; null for a cold-booted one. */
+  zygote: Zygote | null = null;
   /** Its branches that have not been cleaned up yet (live, or retired and still holding theirs). */
   readonly branches = new Set<ProcessSandbox>();
   /**
@@ -288,14 +323,12 @@ class ProcessSandbox implements Sandbox {
       this.resolveExit(info);
       return;
     }
-    try {
-      process.kill(this.hostPid, 'SIGKILL'); // its pid namespace dies with it
-    } catch {}
+    this.proc.signal('SIGKILL'); // its pid namespace dies with it
     if (this.cgroup?.frozen) this.owner.cgroups.freeze(this.cgroup, false); // (v1: a frozen process holds its SIGKILL)
     this.agent.close();
     // Its cgroup can go once its PID 1 has exited (the kernel has then reaped the rest of its
     // namespace): waited for on a pidfd rather than trying rmdir until it works (~2.5 tries each).
-    await Promise.race([sandboxAddon().sandboxWait(this.hostPid), new Promise((r) => setTimeout(r, EXIT_WAIT_MS).unref())]);
+    await Promise.race([this.proc.exited, new Promise((r) => setTimeout(r, EXIT_WAIT_MS).unref())]);
     const cleanup = await this.cleanup();
     this.owner.forget(this);
     if (cleanup.length) info.message = `${info.message ? `${info.message}; ` : ''}cleanup: ${cleanup.join('; ')}`;
@@ -311,11 +344,7 @@ class ProcessSandbox implements Sandbox {
    * it (its descendants outside its branches' process trees) until none is left.
    */
   private async retire(): Promise<boolean> {
-    try {
-      process.kill(this.hostPid, 'SIGSTOP');
-    } catch {
-      return false; // already gone: so are its branches
-    }
+    if (!this.proc.signal('SIGSTOP')) return false; // already gone: so are its branches
     this.retired = true;
     if (this.cgroup) this.owner.cgroups.freeze(this.cgroup, false); // a frozen process would hold its SIGKILL (cgroup v1)
     const skip = new Set([...this.branches].map((b) => b.hostPid));
@@ -337,7 +366,8 @@ class ProcessSandbox implements Sandbox {
     }
     // A second lock where there is a freezer: a SIGCONT from a process that can still see it
     // (the sandbox it was branched from, the zygote) does not thaw a frozen cgroup.
-    if (this.cgroup && this.owner.cgroups.freeze(this.cgroup, true)) await this.owner.cgroups.frozen(this.cgroup);
+    // (unless its last branch went meanwhile: branchGone() has killed it and removed its cgroup)
+    if (this.retired && this.cgroup && this.owner.cgroups.freeze(this.cgroup, true)) await this.owner.cgroups.frozen(this.cgroup);
     return true;
   }
 
@@ -346,13 +376,12 @@ class ProcessSandbox implements Sandbox {
     this.branches.delete(b);
     if (this.retired && this.branches.size === 0) {
       this.retired = false;
-      try {
-        process.kill(this.hostPid, 'SIGKILL');
-      } catch {}
+      this.proc.signal('SIGKILL');
       void this.cleanup()
         .then(async (errors) => {
           // A task leaves its cgroup before it is done exiting: wait until it is (a zombie, or reaped).
-          if (!(await pollUntil(() => !alivePid(this.hostPid), 5000))) {
+          const exited = await Promise.race([this.proc.exited.then(() => true), new Promise<boolean>((r) => setTimeout(() => r(false), 5000))]);
+          if (!exited) {
             errors.push(`sandbox ${this.id}: its PID 1 (host pid ${this.hostPid}) did not exit within 5 s of SIGKILL`);
           }
           return errors;
@@ -360,6 +389,7 @@ class ProcessSandbox implements Sandbox {
         .then((errors) => {
           for (const e of errors) this.owner.warnLine(`forkling: ${e}`);
           this.owner.holding.delete(this);
+          this.owner.pruneRetired();
           this.finish();
         });
     }
@@ -378,17 +408,18 @@ class ProcessSandbox implements Sandbox {
   }
 
   private finish(): void {
+    this.proc.release();
     this.resolveFinished();
     this.parent?.branchGone(this);
   }
 
   async pause(): Promise<void> {
-    if (!(this.cgroup && this.owner.cgroups.freeze(this.cgroup, true))) process.kill(this.hostPid, 'SIGSTOP');
+    if (!(this.cgroup && this.owner.cgroups.freeze(this.cgroup, true))) this.proc.signal('SIGSTOP');
     else await this.owner.cgroups.frozen(this.cgroup);
   }
 
   async resume(): Promise<void> {
-    if (!(this.cgroup && this.owner.cgroups.freeze(this.cgroup, false))) process.kill(this.hostPid, 'SIGCONT');
+    if (!(this.cgroup && this.owner.cgroups.freeze(this.cgroup, false))) this.proc.signal('SIGCONT');
   }
 
   async kill(): Promise<void> {
@@ -533,11 +564,18 @@ export class ProcessEngine implements Engine {
     });
     stream.on('error', () => {});
     void a.sandboxWait(launched.keeperPid).catch(() => {}); // reaps the keeper, gone once the sandbox runs
-    const exited = a.sandboxWait(launched.pid).then(
-      () => {},
-      () => {},
-    );
-    const root: Root = { ...launched, dir, console: ring, cgroup, exited, lifeline: lifeW };
+    let proc: ProcessRef;
+    try {
+      proc = new ProcessRef(launched.pid);
+    } catch (e) {
+      closeSync(lifeW);
+      stream.destroy();
+      if (cgroup) await this.cgroups.remove(cgroup).catch(() => {});
+      this.removeDir(dir);
+      throw new UserError(`process-engine sandbox did not start: its PID 1 is gone (${(e as Error).message}); its output:\n${ring.slice(-20).join('\n')}`);
+    }
+    const exited = proc.exited;
+    const root: Root = { ...launched, proc, dir, console: ring, cgroup, exited, lifeline: lifeW };
     const timeoutMs = opts.readyTimeoutMs ?? 30000;
     let timer: ReturnType<typeof setTimeout> | undefined;
     try {
@@ -560,9 +598,7 @@ export class ProcessEngine implements Engine {
   }
 
   private async destroyRoot(root: Root): Promise<void> {
-    try {
-      process.kill(root.pid, 'SIGKILL');
-    } catch {}
+    root.proc.signal('SIGKILL');
     // The pid watch does not hold the event loop; this timer does, while we wait (and bounds the wait).
     let timer: ReturnType<typeof setTimeout> | undefined;
     await Promise.race([root.exited, new Promise((r) => (timer = setTimeout(r, 10000)))]);
@@ -572,6 +608,7 @@ export class ProcessEngine implements Engine {
       root.lifeline = -1;
     }
     if (root.cgroup) await this.cgroups.remove(root.cgroup).catch((e: Error) => this.warn(`forkling: ${e.message}`));
+    root.proc.release();
     const failed = this.removeDir(root.dir);
     if (failed) this.warn(`forkling: ${failed}`);
   }
@@ -605,7 +642,7 @@ export class ProcessEngine implements Engine {
       await this.destroyRoot(root);
       throw e;
     }
-    const sb = new ProcessSandbox(id, agent, { startedAt, readyAt: performance.now() }, root.pid, root.cgroup, this, '', limits);
+    const sb = new ProcessSandbox(id, agent, { startedAt, readyAt: performance.now() }, root.proc, root.cgroup, this, '', limits);
     this.sandboxes.add(sb);
     // Its root (keeper, cgroup, stage) goes when it ends.
     void sb.exited.then(() => {
@@ -630,8 +667,9 @@ export class ProcessEngine implements Engine {
     const z = await this.startZygote(info);
     const old = this.zygotes.get(info.name);
     if (old) {
-      this.retired.push(old); // its children live on; it goes at close()
+      this.retired.push(old); // its children live on; it goes with the last of them (pruneRetired)
       for (const s of old.spares.splice(0)) void s.kill();
+      this.pruneRetired();
     }
     this.zygotes.set(info.name, z);
     writeFileAtomic(templateFile(info.name), `${JSON.stringify(info, null, 2)}\n`);
@@ -654,6 +692,7 @@ export class ProcessEngine implements Engine {
     void client.closed.then(() => {
       z.dead = true;
       if (this.zygotes.get(info.name) === z) this.zygotes.delete(info.name);
+      if (this.retired.includes(z)) this.retired.splice(this.retired.indexOf(z), 1);
       return this.destroyRoot(z);
     });
     if (info.warmup) {
@@ -721,7 +760,7 @@ export class ProcessEngine implements Engine {
     const parts = await Promise.allSettled([
       ...take,
       ...chunks(n - take.length, z.limits.pids).map((k) =>
-        this.spawnChildren(z.client, z.pid, 's', k, z.limits, template, true, startedAt, undefined, z.requests),
+        this.spawnChildren(z, k, true, startedAt),
       ),
     ]);
     this.refill(z);
@@ -751,17 +790,18 @@ export class ProcessEngine implements Engine {
     const want = this.spareTarget - z.spares.length;
     if (want <= 0 || z.refilling || z.dead || this.closed) return;
     z.refilling = Promise.allSettled(
-      chunks(want, z.limits.pids).map((k) => this.spawnChildren(z.client, z.pid, 's', k, z.limits, z.info.name, false, undefined, undefined, z.requests)),
+      chunks(want, z.limits.pids).map((k) => this.spawnChildren(z, k, false)),
     )
       .then((parts) => {
         for (const p of parts) {
           if (p.status === 'rejected') this.warn(`forkling: refilling the spare forks of ${z.info.name} failed: ${(p.reason as Error).message}`);
-          else if (z.dead || this.closed) void Promise.all(p.value.map((s) => s.kill()));
+          else if (z.dead || this.closed || this.zygotes.get(z.info.name) !== z) void Promise.all(p.value.map((s) => s.kill())); // (retired meanwhile)
           else z.spares.push(...p.value);
         }
       })
       .finally(() => {
         z.refilling = null;
+        this.pruneRetired();
       });
   }
 
@@ -778,22 +818,16 @@ export class ProcessEngine implements Engine {
       throw new UserError('branch: the source is not a live sandbox of this process engine');
     }
     if (!Number.isInteger(n) || n < 1 || n > 1024) throw new UserError(`cannot branch ${n} children`, 'n must be an integer from 1 to 1024');
-    return this.spawnChildren(source.agent, source.hostPid, 'b', n, source.limits, source.template, true, performance.now(), source);
+    return this.spawnChildren(source, n, true);
   }
 
   /** Asks `parent` (a zygote or a sandbox) for n forks; places, connects and restores each; `handOut`: they are live sandboxes now (not spares). */
-  private async spawnChildren(
-    parent: AgentClient,
-    parentPid: number,
-    sub: 's' | 'b',
-    n: number,
-    limits: CgroupLimits,
-    template: string,
-    handOut = true,
-    startedAt = performance.now(),
-    source?: ProcessSandbox,
-    gate?: Gate,
-  ): Promise<ProcessSandbox[]> {
+  private async spawnChildren(from: Zygote | ProcessSandbox, n: number, handOut: boolean, startedAt = performance.now()): Promise<ProcessSandbox[]> {
+    const source = from instanceof ProcessSandbox ? from : undefined;
+    const zygote = source ? source.zygote : (from as Zygote);
+    const [parent, parentPid, sub, limits, template, gate] = source
+      ? [source.agent, source.hostPid, 'b' as const, source.limits, source.template, undefined]
+      : [zygote!.client, zygote!.pid, 's' as const, zygote!.limits, zygote!.info.name, zygote!.requests];
     await gate?.enter();
     let holding = gate !== undefined;
     const leave = () => {
@@ -807,6 +841,14 @@ export class ProcessEngine implements Engine {
     const cgroups = new Map<string, Cgroup | null>();
     const made: ProcessSandbox[] = [];
     let slowestMoveMs = 0; // (the first move after a quiet spell may wait for an RCU grace period: doctor's "cgroup moves")
+    let found: Map<number, ProcessRef> | null = null;
+    const killFound = () => {
+      for (const ref of found?.values() ?? []) {
+        ref.signal('SIGKILL');
+        ref.release();
+      }
+      found?.clear();
+    };
     try {
       for (const id of ids) cgroups.set(id, this.cgroups.create(id, limits));
       const cgroupsAt = performance.now();
@@ -814,46 +856,48 @@ export class ProcessEngine implements Engine {
       const replyAt = performance.now();
       // The parent (a branch's source: a sandbox) must answer for exactly the children asked for, once each.
       const answered = res.children.map((c) => c.id);
-      const byPid = () => forksByNsPid(parentPid, new Set(res.children.flatMap((c) => (c.ok && c.pid !== undefined ? [c.pid] : []))), sub === 's');
+      const taken = this.hostPids();
+      // The parent's children found (by pidfd), not sandboxes yet: killed if we give up on them.
+      found = forksByNsPid(parentPid, new Set(res.children.flatMap((c) => (c.ok && c.pid !== undefined ? [c.pid] : []))), sub === 's');
+      // A branch's source (user code in its PID 1) chooses the pids it answers with: never one
+      // of a sandbox we already have (we would move, restore and on failure kill it).
+      const foreign = new Map<number, number>();
+      for (const [nsPid, ref] of found) {
+        if (!taken.has(ref.pid)) continue;
+        foreign.set(nsPid, ref.pid);
+        ref.release();
+        found.delete(nsPid);
+      }
       if (answered.length !== n || new Set(answered).size !== n || !answered.every((id) => cgroups.has(id))) {
-        if (answered.length <= n) {
-          for (const pid of byPid().values()) {
-            try {
-              process.kill(pid, 'SIGKILL');
-            } catch {}
-          }
-        }
         throw new UserError(`${op}: the parent answered for ${answered.length} children, not for the ${n} asked for, each once`);
       }
-      const byNs = byPid();
-      // A branch's source (user code in its PID 1) chooses the pids it answers with: never one
-      // of a sandbox we already have (we would move, restore and on failure kill it), nor one twice.
-      const taken = this.hostPids();
+      const children = found;
       const failed = res.children.filter((c) => !c.ok);
       const settled = Promise.allSettled(
         res.children
           .filter((c) => c.ok)
           .map(async (c) => {
-            const hostPid = byNs.get(c.pid ?? -1);
-            if (!ids.includes(c.id) || hostPid === undefined) throw new Error(`child ${c.id}: no such process under the ${op} parent`);
-            if (taken.has(hostPid)) throw new Error(`child ${c.id}: the ${op} parent answered with process ${hostPid}, which is another sandbox's or another child's`);
-            taken.add(hostPid);
+            const other = foreign.get(c.pid ?? -1);
+            if (other !== undefined) throw new Error(`child ${c.id}: the ${op} parent answered with process ${other}, which is another sandbox's`);
+            const ref = children.get(c.pid ?? -1);
+            if (!ids.includes(c.id) || ref === undefined) throw new Error(`child ${c.id}: no such process under the ${op} parent`);
+            children.delete(c.pid ?? -1); // (ours to kill or to keep, from here; a pid answered twice is found once)
             const cg = cgroups.get(c.id) ?? null;
-            const moveAt = performance.now();
-            if (cg) this.cgroups.enter(cg, hostPid);
-            slowestMoveMs = Math.max(slowestMoveMs, performance.now() - moveAt);
             let agent: AgentClient;
             try {
+              const moveAt = performance.now();
+              if (cg) this.cgroups.enter(cg, ref.pid);
+              slowestMoveMs = Math.max(slowestMoveMs, performance.now() - moveAt);
               // (connectAgent checks that the child itself listens there: a branch's source can reach its branches' roots)
-              agent = await connectAgent(hostPid, { restore: { entropy: randomBytes(64), hostname: c.id, sandboxId: c.id } });
+              agent = await connectAgent(ref.pid, { restore: { entropy: randomBytes(64), hostname: c.id, sandboxId: c.id } });
             } catch (e) {
-              try {
-                process.kill(hostPid, 'SIGKILL');
-              } catch {}
+              ref.signal('SIGKILL');
+              ref.release();
               throw new Error(`child ${c.id}: ${(e as Error).message}`);
             }
-            const sb = new ProcessSandbox(c.id, agent, { startedAt, readyAt: performance.now() }, hostPid, cg, this, template, limits);
+            const sb = new ProcessSandbox(c.id, agent, { startedAt, readyAt: performance.now() }, ref, cg, this, template, limits);
             cgroups.delete(c.id);
+            sb.zygote = zygote;
             if (source) {
               sb.parent = source;
               source.branches.add(sb);
@@ -873,11 +917,13 @@ export class ProcessEngine implements Engine {
         childSetupMsMedian: median(res.children.map((c) => c.setupMs ?? Number.NaN)),
         slowestMoveMs,
       };
+      killFound(); // (answered for, but not ok: none should be left)
       const errors = [...failed.map((c) => `${c.id}: ${c.error ?? 'failed'}`), ...results.filter((r) => r.status === 'rejected').map((r) => String((r as PromiseRejectedResult).reason?.message ?? r))];
       if (errors.length) throw new UserError(`${op}: ${errors.length} of ${n} children failed: ${errors.slice(0, 3).join('; ')}`);
       return ids.map((id) => made.find((s) => s.id === id)!);
     } catch (e) {
       leave();
+      killFound();
       await Promise.all(made.map((s) => s.kill()));
       await reply.catch(() => {});
       for (const cg of cgroups.values()) if (cg) await this.cgroups.remove(cg).catch(() => {});
@@ -909,6 +955,20 @@ export class ProcessEngine implements Engine {
     for (const z of [...this.zygotes.values(), ...this.retired]) {
       const i = z.spares.indexOf(sb);
       if (i >= 0) z.spares.splice(i, 1);
+    }
+    this.pruneRetired();
+  }
+
+  /**
+   * A zygote replaced by a new template of its name lives on while sandboxes
+   * forked from it do (they are in its pid namespace): it goes with the last.
+   */
+  pruneRetired(): void {
+    for (const z of [...this.retired]) {
+      const inUse = z.refilling !== null || [...this.sandboxes, ...this.holding].some((s) => s.zygote === z);
+      if (inUse && !z.dead) continue;
+      this.retired.splice(this.retired.indexOf(z), 1);
+      z.client.close(); // (its connection's end destroys its root)
     }
   }
 
@@ -946,7 +1006,7 @@ export class ProcessEngine implements Engine {
   private killAllNow(): void {
     for (const r of [...this.zygotes.values(), ...this.retired, ...this.booted]) {
       try {
-        process.kill(r.pid, 'SIGKILL');
+        r.proc.signal('SIGKILL');
       } catch {}
     }
   }

@@ -42,6 +42,12 @@ interface RawAddon {
   sandboxLaunch(opts: LaunchOptions): Launched;
   sandboxReap(pid: number): ExitStatus | null;
   sandboxWatch(pid: number, cb: (s: ExitStatus) => void): void;
+  /** As sandboxWatch, for the process of a pidfd (the addon watches a copy of it); never reaps it. */
+  sandboxWatchPidfd(pidfd: number, cb: (s: ExitStatus) => void): void;
+  /** A pidfd (close-on-exec) of process `pid`; throws ESRCH if there is none. */
+  sandboxPidfd(pid: number): number;
+  /** Sends a signal through a pidfd: true if sent, false if that process has exited. */
+  sandboxSignal(pidfd: number, signal: number): boolean;
   sandboxPipe(): [number, number];
   /** Marks a directory opaque to the overlay layers below it (user.overlay.opaque; skeleton.ts). */
   sandboxOpaque(dir: string): void;
@@ -84,8 +90,8 @@ export function sandboxAddon(): SandboxAddon {
     } catch (e) {
       throw new UserError(`cannot load the native addon ${path}: ${(e as Error).message.split('\n')[0]}`, 'build it: npm run build:native');
     }
-    if (typeof mod.sandboxLaunch !== 'function' || typeof mod.sandboxWatch !== 'function' || typeof mod.sandboxRemoveTree !== 'function' || typeof mod.sandboxAgentSocket !== 'function') {
-      throw new Error(`the native addon at ${ADDON_PATH} has no sandboxLaunch/sandboxWatch/sandboxRemoveTree/sandboxAgentSocket: rebuild it with npm run build:native`);
+    if (typeof mod.sandboxLaunch !== 'function' || typeof mod.sandboxWatch !== 'function' || typeof mod.sandboxRemoveTree !== 'function' || typeof mod.sandboxAgentSocket !== 'function' || typeof mod.sandboxSignal !== 'function') {
+      throw new Error(`the native addon at ${ADDON_PATH} has no sandboxLaunch/sandboxWatch/sandboxRemoveTree/sandboxAgentSocket/sandboxSignal: rebuild it with npm run build:native`);
     }
     const raw = mod as RawAddon;
     addon = {

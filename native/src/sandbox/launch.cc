@@ -684,14 +684,22 @@ Napi::Value Reap(const Napi::CallbackInfo& info) {
   return StatusObject(env, st);
 }
 
-// sandboxWatch(pid, callback): calls callback({code, signal}) once our child
-// `pid` has exited (and reaps it). Event-driven: a pidfd polled by the event
-// loop, never a blocked thread-pool thread. The watch does not keep the loop
-// alive (PDEATHSIG ends the child if this process goes first).
+#ifndef P_PIDFD
+#define P_PIDFD 3
+#endif
+
+// sandboxWatch(pid, callback) and sandboxWatchPidfd(pidfd, callback): call
+// callback({code, signal}) once the process has exited. sandboxWatch reaps
+// it if it is our child (through its pidfd, never by number: that may be a
+// later process's by then); sandboxWatchPidfd only looks (a child of ours
+// is someone else's to reap: Node's child_process, say). Another process's
+// status is unknown to us ({code: null, signal: null}). Event-driven: a pidfd
+// polled by the event loop, never a blocked thread-pool thread. The watch
+// does not keep the loop alive.
 struct PidWatch {
   uv_poll_t poll;
   int pidfd;
-  pid_t pid;
+  bool reap;
   napi_env env;
   Napi::FunctionReference callback;
   Napi::AsyncContext* context;
@@ -699,18 +707,20 @@ struct PidWatch {
 
 void OnPidfd(uv_poll_t* handle, int status, int events) {
   auto* w = static_cast<PidWatch*>(handle->data);
-  int st = 0;
-  pid_t r = waitpid(w->pid, &st, WNOHANG | __WALL);
-  if (r == 0) return;  // not yet (spurious wake-up)
+  siginfo_t si;
+  memset(&si, 0, sizeof si);
+  int r = waitid(static_cast<idtype_t>(P_PIDFD), static_cast<id_t>(w->pidfd), &si, WEXITED | WNOHANG | __WALL | (w->reap ? 0 : WNOWAIT));
+  if (r == 0 && si.si_pid == 0) return;  // our child, not exited yet (spurious wake-up)
+  // (r < 0, ECHILD: not our child; its pidfd is readable, so it has exited)
   uv_poll_stop(handle);
   Napi::Env env(w->env);
   {
     Napi::HandleScope scope(env);
-    Napi::Object result = r > 0 ? StatusObject(env, st) : Napi::Object::New(env);
-    if (r < 0) {
-      result.Set("code", env.Null());
-      result.Set("signal", env.Null());
-    }
+    Napi::Object result = Napi::Object::New(env);
+    bool exited = r == 0 && si.si_code == CLD_EXITED;
+    bool killed = r == 0 && (si.si_code == CLD_KILLED || si.si_code == CLD_DUMPED);
+    result.Set("code", exited ? Napi::Number::New(env, si.si_status) : env.Null());
+    result.Set("signal", killed ? Napi::Number::New(env, si.si_status) : env.Null());
     Napi::CallbackScope cs(env, *w->context);  // runs the microtasks the callback queues
     w->callback.Call({result});
   }
@@ -722,13 +732,8 @@ void OnPidfd(uv_poll_t* handle, int status, int events) {
   });
 }
 
-Napi::Value Watch(const Napi::CallbackInfo& info) {
-  Napi::Env env = info.Env();
-  if (!info[0].IsNumber()) throw Napi::TypeError::New(env, "pid must be a number");
-  if (!info[1].IsFunction()) throw Napi::TypeError::New(env, "callback must be a function");
-  pid_t pid = info[0].As<Napi::Number>().Int32Value();
-  int fd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
-  if (fd < 0) throw ErrnoError(env, "pidfd_open", errno);
+// Takes `fd` (a pidfd of our own): closed when the watch ends, or here on failure.
+void StartWatch(Napi::Env env, int fd, bool reap, Napi::Function callback) {
   uv_loop_s* loop = nullptr;
   if (napi_get_uv_event_loop(env, &loop) != napi_ok || loop == nullptr) {
     close(fd);
@@ -736,9 +741,9 @@ Napi::Value Watch(const Napi::CallbackInfo& info) {
   }
   auto* w = new PidWatch;
   w->pidfd = fd;
-  w->pid = pid;
+  w->reap = reap;
   w->env = env;
-  w->callback = Napi::Persistent(info[1].As<Napi::Function>());
+  w->callback = Napi::Persistent(callback);
   w->context = new Napi::AsyncContext(env, "forkling.sandboxWatch");
   w->poll.data = w;
   int e = uv_poll_init(loop, &w->poll, fd);
@@ -750,7 +755,48 @@ Napi::Value Watch(const Napi::CallbackInfo& info) {
     throw Napi::Error::New(env, std::string("uv_poll on a pidfd failed: ") + uv_strerror(e));
   }
   uv_unref(reinterpret_cast<uv_handle_t*>(&w->poll));
+}
+
+Napi::Value Watch(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  if (!info[0].IsNumber()) throw Napi::TypeError::New(env, "pid must be a number");
+  if (!info[1].IsFunction()) throw Napi::TypeError::New(env, "callback must be a function");
+  pid_t pid = info[0].As<Napi::Number>().Int32Value();
+  int fd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+  if (fd < 0) throw ErrnoError(env, "pidfd_open", errno);
+  StartWatch(env, fd, true, info[1].As<Napi::Function>());
   return env.Undefined();
+}
+
+Napi::Value WatchPidfd(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  if (!info[0].IsNumber()) throw Napi::TypeError::New(env, "pidfd must be a number");
+  if (!info[1].IsFunction()) throw Napi::TypeError::New(env, "callback must be a function");
+  int fd = fcntl(info[0].As<Napi::Number>().Int32Value(), F_DUPFD_CLOEXEC, 3);  // (the caller keeps and closes its own)
+  if (fd < 0) throw ErrnoError(env, "dup of a pidfd", errno);
+  StartWatch(env, fd, false, info[1].As<Napi::Function>());
+  return env.Undefined();
+}
+
+// sandboxPidfd(pid) -> a pidfd (close-on-exec) of that process: signals sent
+// through it reach that process or none, never a later one given its number.
+Napi::Value Pidfd(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  if (!info[0].IsNumber()) throw Napi::TypeError::New(env, "pid must be a number");
+  int fd = static_cast<int>(syscall(SYS_pidfd_open, info[0].As<Napi::Number>().Int32Value(), 0));
+  if (fd < 0) throw ErrnoError(env, "pidfd_open", errno);
+  return Napi::Number::New(env, fd);
+}
+
+// sandboxSignal(pidfd, signal) -> true if sent, false if that process has exited.
+Napi::Value Signal(const Napi::CallbackInfo& info) {
+  Napi::Env env = info.Env();
+  if (!info[0].IsNumber() || !info[1].IsNumber()) throw Napi::TypeError::New(env, "pidfd and signal must be numbers");
+  int fd = info[0].As<Napi::Number>().Int32Value();
+  int sig = info[1].As<Napi::Number>().Int32Value();
+  if (syscall(SYS_pidfd_send_signal, fd, sig, nullptr, 0) == 0) return Napi::Boolean::New(env, true);
+  if (errno == ESRCH) return Napi::Boolean::New(env, false);
+  throw ErrnoError(env, "pidfd_send_signal", errno);
 }
 
 // pipe2(O_CLOEXEC) -> [readFd, writeFd]: the console pipe of a zygote.
@@ -955,7 +1001,10 @@ Napi::Value PeerPid(const Napi::CallbackInfo& info) {
     if (!at) throw Napi::Error::New(env, std::string(path) + " has no Pid line");
     return Napi::Number::New(env, strtol(at + 5, nullptr, 10));  // (-1: it has exited)
   }
-  if (errno != ENOPROTOOPT && errno != EINVAL) throw ErrnoError(env, "getsockopt SO_PEERPIDFD", errno);
+  // EINVAL: the kernel has SO_PEERPIDFD but the listener has exited (no pidfd for a pid
+  // without a task, before Linux 6.15): refused, never read again as a number.
+  if (errno == EINVAL) return Napi::Number::New(env, -1);
+  if (errno != ENOPROTOOPT) throw ErrnoError(env, "getsockopt SO_PEERPIDFD", errno);
   struct ucred cred;
   len = sizeof cred;
   if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) throw ErrnoError(env, "getsockopt SO_PEERCRED", errno);
@@ -970,6 +1019,9 @@ void InitSandbox(Napi::Env env, Napi::Object exports) {
   exports.Set("sandboxLaunch", Napi::Function::New(env, Launch, "sandboxLaunch"));
   exports.Set("sandboxReap", Napi::Function::New(env, Reap, "sandboxReap"));
   exports.Set("sandboxWatch", Napi::Function::New(env, Watch, "sandboxWatch"));
+  exports.Set("sandboxWatchPidfd", Napi::Function::New(env, WatchPidfd, "sandboxWatchPidfd"));
+  exports.Set("sandboxPidfd", Napi::Function::New(env, Pidfd, "sandboxPidfd"));
+  exports.Set("sandboxSignal", Napi::Function::New(env, Signal, "sandboxSignal"));
   exports.Set("sandboxPipe", Napi::Function::New(env, Pipe, "sandboxPipe"));
   exports.Set("sandboxAgentSocket", Napi::Function::New(env, AgentSocket, "sandboxAgentSocket"));
   exports.Set("sandboxPeerPid", Napi::Function::New(env, PeerPid, "sandboxPeerPid"));
