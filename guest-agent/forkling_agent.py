@@ -666,6 +666,7 @@ class FdCapture:
         except OSError:
             self.release()
             raise
+        self.copied = False  # (a fork's own pipes now, whichever way it was forked)
 
     def _loop(self):
         poller = select.poll()
@@ -1139,9 +1140,17 @@ class Agent:
                     return
                 time.sleep(0.01)  # ECONNABORTED, EMFILE, ...: keep accepting
                 continue
-            conn = Connection(self, sock, peer)
-            self.connections.add(conn)
-            self._serve(conn)
+            conn = None
+            try:
+                conn = Connection(self, sock, peer)
+                self.connections.add(conn)
+                self._serve(conn)
+            except Exception as e:  # no thread (pids limit), no memory: this connection only, then accept on
+                if conn is not None:
+                    self.connections.discard(conn)
+                sock.close()
+                log('connection refused: %s: %s' % (type(e).__name__, e))
+                time.sleep(0.05)
 
     def _serve(self, conn):
         """Runs a connection on the parked connection thread if there is one,

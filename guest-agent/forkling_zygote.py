@@ -38,11 +38,13 @@ import os
 import queue
 import re
 import select
+import signal
 import socket
 import stat
 import struct
 import threading
 import time
+import traceback
 
 import forkling_inherit
 
@@ -63,6 +65,8 @@ RUN = '/run/forkling'
 ID_RE = re.compile(r'^[A-Za-z0-9_-]{1,32}$')
 HOST_RE = re.compile(r'^[A-Za-z0-9][A-Za-z0-9.-]{0,62}$')
 READY_TIMEOUT_S = 30.0
+# How long a new child waits for the host's first connection before it exits.
+UNCLAIMED_S = 2 * READY_TIMEOUT_S
 
 # What this process is: 'zygote' (started by the host), 'sandbox' (a child), or None (not the process engine).
 ROLE = os.environ.get('FORKLING_PROCESS_ROLE')
@@ -312,6 +316,8 @@ def _rehearse(agent, rounds=24):
 def _server_fork(agent, children):
     """The zygote's side: hands the request to its fork server (started at the
     first fork, and again if it has died) and returns its answer."""
+    if STATE['server'] is not None and _server_gone(STATE['server'][1]):
+        _drop_server()  # it died while idle (killed for memory, say): a new one below
     if STATE['server'] is None:
         a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         pid = os.fork()
@@ -319,6 +325,8 @@ def _server_fork(agent, children):
             try:
                 a.close()
                 _server_main(agent, b)
+            except BaseException:  # noqa: BLE001 - said on the console, then the zygote answers "exited"
+                _agent_mod.log('the fork server failed:\n%s' % traceback.format_exc())
             finally:
                 os._exit(1)
         b.close()
@@ -327,14 +335,31 @@ def _server_fork(agent, children):
     try:
         _send_msg(sock, children)
         res = _recv_msg(sock)
-    except (OSError, ValueError) as e:
+    except BaseException as e:  # noqa: BLE001 - (MemoryError mid-message too: the stream is out of step)
         res = e
     if isinstance(res, list):
         return res
-    STATE['server'] = None
-    sock.close()
+    _drop_server()
     why = 'the fork server exited' if res is None else 'the fork server failed: %s' % res
     return [{'id': ch['id'], 'ok': False, 'error': why} for ch in children]
+
+
+def _server_gone(sock):
+    """An idle fork server sends nothing: its socket readable or hung up means it has exited."""
+    p = select.poll()
+    p.register(sock.fileno(), select.POLLIN | select.POLLHUP)
+    return bool(p.poll(0))
+
+
+def _drop_server():
+    """Forgets the fork server (killed, if it still runs: its stream is no longer in step)."""
+    pid, sock = STATE['server']
+    STATE['server'] = None
+    sock.close()
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 def _send_msg(sock, obj):
@@ -496,7 +521,9 @@ def _spawn(agent, children, branch, fork):
             data = os.read(r, 4096)
             if data:
                 child[3] += data
-                continue
+                if child[3] != b'ok':
+                    continue
+                # ready: not waiting for the end of file (a process the child forked may hold the pipe)
             del waiting[r]
             poller.unregister(r)
             os.close(r)
@@ -803,7 +830,11 @@ class _StartingEvent(threading.Event):
 
     def set(self):
         if self._once.acquire(False):
-            _bare_thread(self._loop)
+            try:
+                _bare_thread(self._loop)
+            except BaseException:
+                self._once.release()  # (no thread now, at the pids limit: the next set() tries again)
+                raise
         super().set()
 
 
@@ -845,8 +876,12 @@ def _service(agent, lsock):
         poller.register(fd, select.POLLIN)
     listener = lsock.fileno()
     seen = set()
+    # A child the host never connects to (it gave up on the request after the answer) goes by itself.
+    unclaimed_until = time.monotonic() + UNCLAIMED_S
     while not agent.stopping:
         events = poller.poll(REAP_INTERVAL_MS)
+        if unclaimed_until is not None and listener not in {fd for fd, _ in events} and time.monotonic() > unclaimed_until:
+            os._exit(1)
         ready = {fd for fd, _ in events}
         if cap is not None and not ready.isdisjoint(cap.streams):
             for fd, ev in events:
@@ -857,6 +892,7 @@ def _service(agent, lsock):
         if server in ready and listener not in ready:
             os._exit(1)  # the server is gone and the host never came
         if listener in ready:
+            unclaimed_until = None
             if server is not None:  # the host's first connection: ours for good
                 poller.unregister(server)
                 os.close(server)
@@ -868,9 +904,20 @@ def _service(agent, lsock):
                     return  # the listener is closed
                 time.sleep(0.01)  # ECONNABORTED, EMFILE, ...: keep accepting
                 continue
-            conn = _agent_mod.Connection(agent, _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM, 0, fd), 'unix')
-            agent.connections.add(conn)
-            _bare_thread(conn.run)
+            sock = conn = None
+            try:
+                sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM, 0, fd)
+                conn = _agent_mod.Connection(agent, sock, 'unix')
+                agent.connections.add(conn)
+                _bare_thread(conn.run)
+            except Exception as e:  # no thread (pids limit), no memory: this connection only; the service goes on
+                if conn is not None:
+                    agent.connections.discard(conn)
+                if sock is not None:
+                    sock.close()  # (its object owns fd: closed once, never again when it is collected)
+                else:
+                    os.close(fd)
+                _agent_mod.log('connection refused: %s: %s' % (type(e).__name__, e))
         if _agent_mod.IS_PID1:
             seen = _agent_mod.reap_tick(seen)
 

@@ -857,6 +857,55 @@ out
   await c!.kill();
 });
 
+test('at its pids limit a sandbox refuses new connections and eval timeouts, and takes both again once processes end', async () => {
+  const [s] = await engine.fork(TEMPLATE, 1);
+  const full = await val(
+    s!.agent,
+    `import os, time
+KIDS = []
+while True:
+    try:
+        pid = os.fork()
+    except OSError:
+        break
+    if pid == 0:
+        time.sleep(600)
+        os._exit(0)
+    KIDS.append(pid)
+len(KIDS)`,
+  );
+  assert.ok((full as number) > 10, `forked ${full} before the limit`);
+  // no thread for a new connection: that connection is closed, the service goes on
+  const refused = await connectAgent(hostPid(s!)).then(
+    (c) => {
+      c.close();
+      return 'accepted';
+    },
+    (e: Error) => e.message,
+  );
+  assert.not.equal(refused, 'accepted');
+  // no thread for the eval watchdog: that eval fails; the next one tries again
+  await s!.agent.eval('1', { timeoutMs: 60_000 }).catch(() => {});
+  await val(s!.agent, 'import signal\nfor p in KIDS: os.kill(p, signal.SIGKILL)\nfor p in KIDS: os.waitpid(p, 0)\n1');
+  const again = await connectAgent(hostPid(s!));
+  assert.is(await val(again, '6 * 7'), 42, 'a new connection is served again');
+  again.close();
+  const spin = await Promise.race([s!.agent.eval('while True: pass', { timeoutMs: 300 }), new Promise<null>((r) => setTimeout(() => r(null), 15_000))]);
+  assert.ok(spin?.timedOut, 'an eval timeout works again');
+  await s!.kill();
+});
+
+test('a branch is ready once it says so, though a process it forked holds its ready pipe', async () => {
+  const [src] = await engine.fork(TEMPLATE, 1);
+  // (an at-fork handler of the source's code forks in every branch before its set-up ends)
+  await val(src!.agent, 'import os, time\ndef after():\n    if os.fork() == 0:\n        time.sleep(60)\n        os._exit(0)\nos.register_at_fork(after_in_child=after)\n1');
+  const t0 = performance.now();
+  const [b] = await engine.branch(src!, 1);
+  assert.ok(performance.now() - t0 < 20_000, 'not held until the end of file');
+  assert.is(await val(b!.agent, '1 + 1'), 2);
+  await Promise.all([b, src].map((k) => k!.kill()));
+});
+
 test('a fork bomb and a memory hog in one sandbox leave the others and the host working', async () => {
   const [bomb, hog, calm] = await engine.fork(TEMPLATE, 3);
   // fork bomb: the pids cgroup (64 here) stops it; it burns at most its cpu share
