@@ -1,6 +1,7 @@
 // Nothing of the process engine outlives its host process: kill -9 the host
-// and its zygote, forks and branches die with it (PR_SET_PDEATHSIG on the
-// keeper and the zygote, then the pid namespace's init rule); the next engine
+// and its zygote, forks, branches and cold-booted sandboxes die with it
+// (PR_SET_PDEATHSIG on the keeper and on each launched PID 1, which sandbox
+// code cannot undo, then the pid namespace's init rule); the next engine
 // removes the stale runtime and cgroup directories.
 import { spawn } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
@@ -40,7 +41,7 @@ test('kill -9 of the host takes every sandbox with it', async () => {
     child.once('exit', (code) => reject(new Error(`child exited (${code}) before it was ready`)));
   });
   const { pids, cgroups } = JSON.parse(line) as { pids: number[]; cgroups: string[] };
-  assert.is(pids.length, 4);
+  assert.is(pids.length, 5);
   for (const p of pids) assert.ok(running(p), `pid ${p} runs before the kill`);
   const exited = new Promise((r) => child.once('exit', r));
   // tsx runs the script in a node child of its own: kill that one too (both -9, no cleanup at all)

@@ -566,7 +566,7 @@ export class ProcessEngine implements Engine {
     void a.sandboxWait(launched.keeperPid).catch(() => {}); // reaps the keeper, gone once the sandbox runs
     let proc: ProcessRef;
     try {
-      proc = new ProcessRef(launched.pid);
+      proc = new ProcessRef(launched.pid, { reap: true }); // (our child: CLONE_PARENT, to die with us by PR_SET_PDEATHSIG)
     } catch (e) {
       closeSync(lifeW);
       stream.destroy();

@@ -32,7 +32,7 @@ export interface ExitStatus {
 }
 
 export interface Launched {
-  /** The sandbox's PID 1, as seen from here (not our child). */
+  /** The sandbox's PID 1, as seen from here: our child (reap it once it exits). */
   pid: number;
   /** Our child that set it up; it exits once the sandbox runs: reap it with sandboxWait(). */
   keeperPid: number;
@@ -42,8 +42,8 @@ interface RawAddon {
   sandboxLaunch(opts: LaunchOptions): Launched;
   sandboxReap(pid: number): ExitStatus | null;
   sandboxWatch(pid: number, cb: (s: ExitStatus) => void): void;
-  /** As sandboxWatch, for the process of a pidfd (the addon watches a copy of it); never reaps it. */
-  sandboxWatchPidfd(pidfd: number, cb: (s: ExitStatus) => void): void;
+  /** As sandboxWatch, for the process of a pidfd (the addon watches a copy of it); reaps it only if `reap` (our child, and ours to reap). */
+  sandboxWatchPidfd(pidfd: number, cb: (s: ExitStatus) => void, reap?: boolean): void;
   /** A pidfd (close-on-exec) of process `pid`; throws ESRCH if there is none. */
   sandboxPidfd(pid: number): number;
   /** Sends a signal through a pidfd: true if sent, false if that process has exited. */

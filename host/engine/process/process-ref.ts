@@ -12,13 +12,16 @@ export class ProcessRef {
   /** Resolves once the process has exited (a zombie, or reaped). */
   readonly exited: Promise<void>;
 
-  /** Throws (code ESRCH) if there is no process `pid`. */
-  constructor(readonly pid: number) {
+  /** Throws (code ESRCH) if there is no process `pid`. `reap`: it is our child, reaped once it exits (a launched root). */
+  constructor(
+    readonly pid: number,
+    opts: { reap?: boolean } = {},
+  ) {
     const addon = sandboxAddon();
     this.fd = addon.sandboxPidfd(pid);
     this.exited = new Promise<void>((resolve) => {
       try {
-        addon.sandboxWatchPidfd(this.fd, () => resolve());
+        addon.sandboxWatchPidfd(this.fd, () => resolve(), opts.reap === true);
       } catch {
         resolve(); // (no watch: treated as gone rather than waited for forever)
       }

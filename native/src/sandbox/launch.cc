@@ -178,9 +178,10 @@ void BindReadOnly(const char* src, const char* dst, int step) {
 }
 
 // The sandbox (the zygote, or a cold-booted sandbox): from the second clone to execve.
-// No PR_SET_PDEATHSIG here: the keeper exits once we exec. Until then, the
-// keeper's death (it dies with Node) shows as EOF on the go-ahead pipe; after,
-// the agent watches the lifeline fd (Node holds the only write end).
+// Node's child (the keeper clones it with CLONE_PARENT), so that it can die with
+// Node by PR_SET_PDEATHSIG: the agent also watches the lifeline fd (Node holds
+// the only write end), but that is code the sandbox can patch. Before the
+// go-ahead, the keeper's death (it dies with Node) shows as EOF on its pipe.
 [[noreturn]] void SandboxMain(const Prepared& p, int syncR) {
   char c;
   if (read(syncR, &c, 1) != 1) _exit(126);
@@ -193,6 +194,13 @@ void BindReadOnly(const char* src, const char* dst, int step) {
     close(fd);
   }
   if (setresgid(0, 0, 0) != 0 || setresuid(0, 0, 0) != 0) Fail(1, errno);
+  // After the credentials change, which clears it; kept across execve (root of its own
+  // user namespace already, the agent gains no capability there).
+  if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) Fail(1, errno);
+  if (p.haveLifeline) {  // Node gone before that: its lifeline has hung up
+    struct pollfd pf = {kLifelineFd, POLLIN, 0};
+    if (poll(&pf, 1, 0) > 0) _exit(126);
+  }
   // A session (and process group) of our own: in Node's, kill(0, SIGKILL) from the sandbox
   // reached Node and every other sandbox (a process group ignores pid namespaces), and
   // /dev/tty was the user's terminal.
@@ -313,6 +321,13 @@ void BindReadOnly(const char* src, const char* dst, int step) {
   sigprocmask(SIG_SETMASK, &none, nullptr);
   if (p.keeperUserns) {
     if (setresgid(0, 0, 0) != 0 || setresuid(0, 0, 0) != 0) Fail(1, errno);
+  // After the credentials change, which clears it; kept across execve (root of its own
+  // user namespace already, the agent gains no capability there).
+  if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) Fail(1, errno);
+  if (p.haveLifeline) {  // Node gone before that: its lifeline has hung up
+    struct pollfd pf = {kLifelineFd, POLLIN, 0};
+    if (poll(&pf, 1, 0) > 0) _exit(126);
+  }
     prctl(PR_SET_PDEATHSIG, SIGKILL);
   }
   if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) Fail(3, errno);
@@ -338,7 +353,7 @@ void BindReadOnly(const char* src, const char* dst, int step) {
   }
   if (dup3(execp[1], kExecFd, O_CLOEXEC) < 0) Fail(26, errno);
   close(execp[1]);
-  long pid = syscall(SYS_clone, CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS | SIGCHLD,
+  long pid = syscall(SYS_clone, CLONE_PARENT | CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS,
                      nullptr, nullptr, nullptr, 0);
   if (pid == 0) {
     close(sync2[1]);
@@ -374,7 +389,7 @@ void BindReadOnly(const char* src, const char* dst, int step) {
   if (p.haveLifeline) close(kLifelineFd);
   // Wait until the sandbox has exec'd (or died), then go: a keeper that stayed
   // would hold a copy of every page Node writes from now on. The sandbox is
-  // then the init's to reap; Node watches it through a pidfd.
+  // Node's child (CLONE_PARENT): Node watches and reaps it through a pidfd.
   ssize_t got;
   do {
     got = read(execp[0], &c, 1);
@@ -688,11 +703,11 @@ Napi::Value Reap(const Napi::CallbackInfo& info) {
 #define P_PIDFD 3
 #endif
 
-// sandboxWatch(pid, callback) and sandboxWatchPidfd(pidfd, callback): call
-// callback({code, signal}) once the process has exited. sandboxWatch reaps
-// it if it is our child (through its pidfd, never by number: that may be a
-// later process's by then); sandboxWatchPidfd only looks (a child of ours
-// is someone else's to reap: Node's child_process, say). Another process's
+// sandboxWatch(pid, callback) and sandboxWatchPidfd(pidfd, callback, reap):
+// call callback({code, signal}) once the process has exited. sandboxWatch
+// reaps it if it is our child (through its pidfd, never by number: that may
+// be a later process's by then); sandboxWatchPidfd only if asked (a child of
+// ours may be someone else's to reap: Node's child_process, say). Another process's
 // status is unknown to us ({code: null, signal: null}). Event-driven: a pidfd
 // polled by the event loop, never a blocked thread-pool thread. The watch
 // does not keep the loop alive.
@@ -772,9 +787,10 @@ Napi::Value WatchPidfd(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   if (!info[0].IsNumber()) throw Napi::TypeError::New(env, "pidfd must be a number");
   if (!info[1].IsFunction()) throw Napi::TypeError::New(env, "callback must be a function");
+  bool reap = info[2].IsBoolean() && info[2].As<Napi::Boolean>().Value();
   int fd = fcntl(info[0].As<Napi::Number>().Int32Value(), F_DUPFD_CLOEXEC, 3);  // (the caller keeps and closes its own)
   if (fd < 0) throw ErrnoError(env, "dup of a pidfd", errno);
-  StartWatch(env, fd, false, info[1].As<Napi::Function>());
+  StartWatch(env, fd, reap, info[1].As<Napi::Function>());
   return env.Undefined();
 }
 
