@@ -2,7 +2,7 @@
 // behind (a sandbox that outlived it: its agent is Python its own code can
 // patch, lifeline included) is killed and removed when the next engine starts.
 import { spawnSync } from 'node:child_process';
-import { existsSync, readFileSync } from 'node:fs';
+import { existsSync, mkdirSync, readFileSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
@@ -29,6 +29,30 @@ test("a gone engine's cgroups are emptied (their processes killed) and removed b
     for (const d of cg.dirs) assert.not.ok(existsSync(d), `${d} removed`);
   } finally {
     next.close();
+  }
+});
+
+test('a sandbox cgroup with cgroups made below it (as its root can without root on the host) is removed, its processes there killed', async () => {
+  const tree = new CgroupTree(`forkling-p${process.pid}-777777`);
+  if (tree.mode === 'none') {
+    console.log(`  (no cgroups here: ${tree.warning}; skipped)`);
+    return;
+  }
+  const cg = tree.create('nested', { memoryBytes: 64 << 20, pids: 16, cpus: 1 })!;
+  const sh = spawnSync('sh', ['-c', 'sleep 1000 >/dev/null 2>&1 & echo $!'], { encoding: 'utf8' });
+  const pid = Number(sh.stdout.trim());
+  try {
+    for (const d of cg.dirs) mkdirSync(join(d, 'a', 'b'), { recursive: true });
+    for (const d of cg.dirs) writeFileSync(join(d, 'a', 'b', 'cgroup.procs'), String(pid));
+    tree.freeze(cg, true);
+    await tree.remove(cg);
+    for (const d of cg.dirs) assert.not.ok(existsSync(d), `${d} removed`);
+    assert.ok(await pollUntil(() => !existsSync(`/proc/${pid}`) || /^State:\s+Z/m.test(readFileSync(`/proc/${pid}/status`, 'utf8')), 5000), 'killed');
+  } finally {
+    try {
+      process.kill(pid, 'SIGKILL');
+    } catch {}
+    tree.close();
   }
 });
 

@@ -119,38 +119,64 @@ function removeStale(parent: string): void {
   }
 }
 
-/** rmdir of a cgroup directory: gone, busy (processes are in it) or failed otherwise. */
-function rmdirState(dir: string): 'gone' | 'busy' | 'failed' {
-  try {
-    rmdirSync(dir);
-    return 'gone';
-  } catch (e) {
-    const code = (e as NodeJS.ErrnoException).code;
-    return code === 'ENOENT' ? 'gone' : code === 'EBUSY' ? 'busy' : 'failed';
+/**
+ * A cgroup directory and the cgroups made below it, deepest first: a sandbox
+ * whose root is the owner of its cgroup (without root on the host) can mount
+ * its cgroup namespace and make some; bounded, as a sandbox could nest them deep.
+ */
+function withDescendants(dir: string): string[] {
+  const out: string[] = [];
+  const todo = [dir];
+  while (todo.length && out.length < 4096) {
+    const d = todo.pop()!;
+    out.push(d);
+    try {
+      for (const e of readdirSync(d, { withFileTypes: true })) if (e.isDirectory()) todo.push(join(d, e.name));
+    } catch {}
   }
+  return out.reverse();
+}
+
+/** rmdir of a cgroup directory, after the cgroups below it: gone, busy (processes are in it) or failed otherwise. */
+function rmdirState(dir: string): 'gone' | 'busy' | 'failed' {
+  let state: 'gone' | 'busy' | 'failed' = 'gone';
+  for (const d of withDescendants(dir)) {
+    try {
+      rmdirSync(d);
+      state = 'gone';
+    } catch (e) {
+      const code = (e as NodeJS.ErrnoException).code;
+      state = code === 'ENOENT' ? 'gone' : code === 'EBUSY' ? 'busy' : 'failed';
+    }
+  }
+  return state;
 }
 
 /**
- * What keeps a cgroup directory from going: thaws it (a frozen process holds
- * its SIGKILL; v1 freezer or v2) and SIGKILLs the processes in it.
+ * What keeps a cgroup directory from going: thaws it and the cgroups below
+ * it (a frozen process holds its SIGKILL; v1 freezer or v2) and SIGKILLs the
+ * processes in them (cgroup.kill where there is one: v2, Linux 5.14).
  */
 function empty(dir: string): void {
-  for (const [file, value] of [
-    ['freezer.state', 'THAWED'],
-    ['cgroup.freeze', '0'],
-  ] as const) {
+  for (const d of withDescendants(dir)) {
+    for (const [file, value] of [
+      ['freezer.state', 'THAWED'],
+      ['cgroup.freeze', '0'],
+      ['cgroup.kill', '1'],
+    ] as const) {
+      try {
+        writeFileSync(join(d, file), value);
+      } catch {} // (not this version's file, or not a freezer hierarchy)
+    }
+    let pids: string[] = [];
     try {
-      writeFileSync(join(dir, file), value);
-    } catch {} // (not this version's file, or not a freezer hierarchy)
-  }
-  let pids: string[] = [];
-  try {
-    pids = readFileSync(join(dir, 'cgroup.procs'), 'utf8').split('\n').filter(Boolean);
-  } catch {}
-  for (const pid of pids) {
-    try {
-      process.kill(Number(pid), 'SIGKILL');
+      pids = readFileSync(join(d, 'cgroup.procs'), 'utf8').split('\n').filter(Boolean);
     } catch {}
+    for (const pid of pids) {
+      try {
+        process.kill(Number(pid), 'SIGKILL');
+      } catch {}
+    }
   }
 }
 
