@@ -28,7 +28,10 @@ What becomes what:
   a file or directory on the root layer or /dev/shm   opened again by name
                                                       (the child's layer has
                                                       its own copy; /dev/shm
-                                                      is copied by the caller)
+                                                      is copied by the caller),
+                                                      each fd on its own: fds
+                                                      that shared one offset
+                                                      (os.dup) no longer do
   a file with no name (unlinked, O_TMPFILE, memfd)    a memfd with its bytes,
                                                       one per file for all the
                                                       fds that share it

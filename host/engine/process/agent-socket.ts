@@ -24,12 +24,12 @@ function fdOf(sock: Socket): number {
 
 /**
  * Connects to the agent of the sandbox whose PID 1 is host pid `pid`; by
- * default also does the hello exchange, and with `restore` a new fork's
- * restore sent behind it (hello must then report that sandbox id). Both must
- * be answered within HANDSHAKE_MS (the agent runs the image's and the
- * template's code).
+ * default also does the hello exchange, and with `restore` a new sandbox's
+ * restore sent behind it (`expectId`: the sandbox id hello must report, a
+ * fork's). Both must be answered within HANDSHAKE_MS (the agent runs the
+ * image's and the template's code).
  */
-export async function connectAgent(pid: number, opts: AgentClientOptions & { hello?: boolean; restore?: OpArgs<'restore'> } = {}): Promise<AgentClient> {
+export async function connectAgent(pid: number, opts: AgentClientOptions & { hello?: boolean; restore?: OpArgs<'restore'>; expectId?: string } = {}): Promise<AgentClient> {
   const addon = sandboxAddon();
   const name = `/${AGENT_SOCKET} of sandbox process ${pid}`;
   let fd: number;
@@ -54,6 +54,6 @@ export async function connectAgent(pid: number, opts: AgentClientOptions & { hel
   }
   if (opts.hello === false) return client;
   const restore = opts.restore;
-  await answeredWithin(client, HANDSHAKE_MS, `the agent at ${name}`, (c) => (restore ? helloAndRestore(c, restore, restore.sandboxId) : c.hello().then(() => {})));
+  await answeredWithin(client, HANDSHAKE_MS, `the agent at ${name}`, (c) => (restore ? helloAndRestore(c, restore, opts.expectId) : c.hello().then(() => {})));
   return client;
 }

@@ -38,6 +38,8 @@ const DEFAULT_PIDS = 512;
 const EXIT_WAIT_MS = 2000;
 /** After a sandbox's PID 1 exited, how long its connection may stay open before the sandbox is ended anyway. */
 const EXIT_GRACE_MS = 1000;
+/** How long a zygote or a branch's source has to answer a fork or branch request (its fork server gives each child 30 s to be ready). */
+const SPAWN_ANSWER_MS = 60_000;
 /**
  * As root, sandbox ids 0-65535 are host ids from here ($FORKLING_PROCESS_ID_BASE):
  * unprivileged ones in the range systemd leaves to containers (524288-1879048191).
@@ -494,11 +496,13 @@ export class ProcessEngine implements Engine {
     const dir = join(this.dir, opts.cgName);
     const stage = join(dir, 'stage');
     mkdirSync(stage, { recursive: true });
-    const cgroup = this.cgroups.create(opts.cgName, opts.limits);
-    const [r, w] = a.sandboxPipe();
-    const [lifeR, lifeW] = a.sandboxPipe();
+    let cgroup: Cgroup | null = null;
+    const fds: number[] = [];
     let launched: { pid: number; keeperPid: number };
     try {
+      cgroup = this.cgroups.create(opts.cgName, opts.limits);
+      fds.push(...a.sandboxPipe(), ...a.sandboxPipe());
+      const [, w, lifeR] = fds as [number, number, number, number];
       launched = a.sandboxLaunch({
         rootfs: opts.rootfs,
         skeleton: skeletonFor(opts.rootfs, this.idBase),
@@ -523,10 +527,7 @@ export class ProcessEngine implements Engine {
         seccomp: true,
       });
     } catch (e) {
-      closeSync(r);
-      closeSync(w);
-      closeSync(lifeR);
-      closeSync(lifeW);
+      for (const fd of fds) closeSync(fd);
       if (cgroup) await this.cgroups.remove(cgroup).catch(() => {});
       this.removeDir(dir);
       const err = e as Error & { step?: string };
@@ -535,6 +536,7 @@ export class ProcessEngine implements Engine {
         'the process engine needs user namespaces, overlayfs and /dev/kvm-free Linux >= 5.11; see `forkling doctor --engine process`',
       );
     }
+    const [r, w, lifeR, lifeW] = fds as [number, number, number, number];
     closeSync(w);
     closeSync(lifeR);
     const ring: string[] = [];
@@ -635,8 +637,7 @@ export class ProcessEngine implements Engine {
     this.booted.add(root);
     let agent: AgentClient;
     try {
-      agent = await connectAgent(root.pid);
-      await agent.restore({ entropy: randomBytes(64), hostname: id, sandboxId: id });
+      agent = await connectAgent(root.pid, { restore: { entropy: randomBytes(64), hostname: id, sandboxId: id } });
     } catch (e) {
       this.booted.delete(root);
       await this.destroyRoot(root);
@@ -836,7 +837,8 @@ export class ProcessEngine implements Engine {
     };
     const ids = Array.from({ length: n }, newId);
     const op = sub === 's' ? 'fork' : 'branch';
-    const reply = parent.request(op, { children: ids.map((id) => ({ id, hostname: id })) });
+    // (bounded: a branch's source is user code, which may never answer; a fork server waits READY_TIMEOUT_S for its children)
+    const reply = parent.request(op, { children: ids.map((id) => ({ id, hostname: id })) }, { timeoutMs: SPAWN_ANSWER_MS });
     // While the parent forks: the children's cgroups.
     const cgroups = new Map<string, Cgroup | null>();
     const made: ProcessSandbox[] = [];
@@ -889,7 +891,7 @@ export class ProcessEngine implements Engine {
               if (cg) this.cgroups.enter(cg, ref.pid);
               slowestMoveMs = Math.max(slowestMoveMs, performance.now() - moveAt);
               // (connectAgent checks that the child itself listens there: a branch's source can reach its branches' roots)
-              agent = await connectAgent(ref.pid, { restore: { entropy: randomBytes(64), hostname: c.id, sandboxId: c.id } });
+              agent = await connectAgent(ref.pid, { restore: { entropy: randomBytes(64), hostname: c.id, sandboxId: c.id }, expectId: c.id });
             } catch (e) {
               ref.signal('SIGKILL');
               ref.release();
