@@ -268,7 +268,7 @@ export class SandboxManager {
   private arm(id: string, ms: number): NodeJS.Timeout {
     return setTimeout(() => {
       this.log(`sandbox ${id} timed out`);
-      void this.kill(id, 'timeout');
+      void this.kill(id, 'timeout').catch((e: Error) => this.log(`sandbox ${id}: ending it after its timeout failed: ${e.message}`));
     }, ms);
   }
 

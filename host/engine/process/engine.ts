@@ -646,10 +646,12 @@ export class ProcessEngine implements Engine {
     const sb = new ProcessSandbox(id, agent, { startedAt, readyAt: performance.now() }, root.proc, root.cgroup, this, '', limits);
     this.sandboxes.add(sb);
     // Its root (keeper, cgroup, stage) goes when it ends.
-    void sb.exited.then(() => {
-      this.booted.delete(root);
-      return this.destroyRoot(root);
-    });
+    void sb.exited
+      .then(() => {
+        this.booted.delete(root);
+        return this.destroyRoot(root);
+      })
+      .catch((e: Error) => this.warn(`forkling: removing sandbox ${id}'s root failed: ${e.message}`));
     return sb;
   }
 
@@ -669,7 +671,7 @@ export class ProcessEngine implements Engine {
     const old = this.zygotes.get(info.name);
     if (old) {
       this.retired.push(old); // its children live on; it goes with the last of them (pruneRetired)
-      for (const s of old.spares.splice(0)) void s.kill();
+      for (const s of old.spares.splice(0)) void s.kill().catch(() => {}); // (end() reports its own failures)
       this.pruneRetired();
     }
     this.zygotes.set(info.name, z);
@@ -690,12 +692,14 @@ export class ProcessEngine implements Engine {
       throw e;
     }
     const z: Zygote = { ...root, info, client, limits, dead: false, spares: [], refilling: null, requests: new Gate(2), prepared: null };
-    void client.closed.then(() => {
-      z.dead = true;
-      if (this.zygotes.get(info.name) === z) this.zygotes.delete(info.name);
-      if (this.retired.includes(z)) this.retired.splice(this.retired.indexOf(z), 1);
-      return this.destroyRoot(z);
-    });
+    void client.closed
+      .then(() => {
+        z.dead = true;
+        if (this.zygotes.get(info.name) === z) this.zygotes.delete(info.name);
+        if (this.retired.includes(z)) this.retired.splice(this.retired.indexOf(z), 1);
+        return this.destroyRoot(z);
+      })
+      .catch((e: Error) => this.warn(`forkling: removing the zygote of ${info.name} failed: ${e.message}`));
     if (info.warmup) {
       const r = await client.eval(info.warmup).catch((e: Error) => ({ exception: { type: 'Error', message: e.message, traceback: '' } }));
       if ('exception' in r && r.exception) {
@@ -796,7 +800,7 @@ export class ProcessEngine implements Engine {
       .then((parts) => {
         for (const p of parts) {
           if (p.status === 'rejected') this.warn(`forkling: refilling the spare forks of ${z.info.name} failed: ${(p.reason as Error).message}`);
-          else if (z.dead || this.closed || this.zygotes.get(z.info.name) !== z) void Promise.all(p.value.map((s) => s.kill())); // (retired meanwhile)
+          else if (z.dead || this.closed || this.zygotes.get(z.info.name) !== z) void Promise.all(p.value.map((s) => s.kill())).catch(() => {}); // (retired meanwhile)
           else z.spares.push(...p.value);
         }
       })
