@@ -2,7 +2,7 @@
 // REST /v1/, /healthz, /metrics). The first line on stdout, once the socket
 // is bound, is exactly `listening <url>` (e.g. `listening http://127.0.0.1:4780`);
 // tools and tests read the port from it. Logs go to stderr.
-import { DEFAULT_MAX_IN_FLIGHT } from '../../protocol/server-ops.ts';
+import { DEFAULT_MAX_IN_FLIGHT, MAX_TIMEOUT_MS } from '../../protocol/server-ops.ts';
 import { openEngine } from '../engine/select.ts';
 import { UserError } from '../errors.ts';
 import { callAgentClient } from '../server/agent-bridge.ts';
@@ -26,7 +26,7 @@ const USAGE = `usage: forkling serve [options]
   --max-memory-mib <n>      refuse new sandboxes while all of them use more private memory (default: no limit)
   --min-free-mib <n>        refuse new sandboxes while the host has less available memory (default 256)
   --default-timeout-ms <n>  sandbox timeout when a client sets none (default 300000 = 5 minutes)
-  --max-timeout-ms <n>      longest timeout a client may set (default 86400000 = 24 hours)
+  --max-timeout-ms <n>      longest timeout a client may set (default 86400000 = 24 hours; at most 604800000 = 7 days)
   --max-in-flight <n>       open requests per WebSocket connection (default ${DEFAULT_MAX_IN_FLIGHT})
   --spares <n>              process engine: forks kept ready per template, so that a new sandbox needs no
                             fork of its own (default $FORKLING_PROCESS_SPARES, else ${DEFAULT_SPARES}; 0: none);
@@ -94,6 +94,9 @@ export async function serveCommand(argv: string[]): Promise<number> {
   const minFreeMiB = positiveInt('min-free-mib', str('min-free-mib'), 256, 0);
   const defaultTimeoutMs = positiveInt('default-timeout-ms', str('default-timeout-ms'), 300_000);
   const maxTimeoutMs = positiveInt('max-timeout-ms', str('max-timeout-ms'), 86_400_000);
+  if (maxTimeoutMs > MAX_TIMEOUT_MS) {
+    throw new UserError(`--max-timeout-ms is above ${MAX_TIMEOUT_MS} (7 days), the longest a sandbox may live`, `use at most --max-timeout-ms ${MAX_TIMEOUT_MS}`);
+  }
   if (defaultTimeoutMs > maxTimeoutMs) {
     throw new UserError('--default-timeout-ms is above --max-timeout-ms', 'lower the default or raise the maximum');
   }

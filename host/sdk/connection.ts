@@ -3,9 +3,9 @@
 // request's handler. Browser-safe: the web-standard WebSocket API only (the
 // Node entry, host/index.ts, supplies the `ws` package where Node has none).
 import { decodeFrame, encodeFrame } from '../../protocol/codec.ts';
-import { PROTOCOL_VERSION } from '../../protocol/schema.ts';
+import { MAX_FRAME, PROTOCOL_VERSION } from '../../protocol/schema.ts';
 import { WS_SUBPROTOCOL, WS_TOKEN_PREFIX } from '../../protocol/server-ops.ts';
-import { AuthError, ConnectionError, errorFromCode } from './errors.ts';
+import { AuthError, ConnectionError, errorFromCode, InvalidArgumentError } from './errors.ts';
 
 /** The part of the web-standard WebSocket the SDK uses. */
 export interface WebSocketLike {
@@ -133,6 +133,11 @@ export class Connection {
     const id = this.nextId;
     this.nextId = this.nextId >= 0xfffffffe ? 1 : this.nextId + 1;
     const bytes = encodeFrame({ ...fields, t: 'req', id, op }); // (before it is pending: what cannot be encoded throws here)
+    // The server cannot tell which request an oversized frame was (it answers with no id).
+    const maxFrame = ((this.serverInfo?.limits as { maxFrame?: number } | undefined)?.maxFrame ?? MAX_FRAME) as number;
+    if (bytes.length > maxFrame) {
+      throw new InvalidArgumentError(`${op}: the request is ${bytes.length} bytes, over the server's limit of ${maxFrame} per frame; send less at once (a file: write it as a stream)`);
+    }
     const done = new Promise<Record<string, unknown>>((resolve, reject) => {
       this.pending.set(id, { resolve, reject, onEvent });
     });
@@ -190,7 +195,13 @@ export class Connection {
     }
     const protocols = [WS_SUBPROTOCOL];
     if (this.token) protocols.push(`${WS_TOKEN_PREFIX}${this.token}`);
-    const ws = factory(wsUrl(this.url), protocols);
+    let ws: WebSocketLike;
+    try {
+      ws = factory(wsUrl(this.url), protocols);
+    } catch (e) {
+      // (a WebSocket refuses a subprotocol with characters outside RFC 7230's token: a token holding / or =)
+      return Promise.reject(new ConnectionError(`cannot open a WebSocket to ${this.url}: ${(e as Error).message}; a token may hold only A-Z a-z 0-9 . _ ~ -`));
+    }
     ws.binaryType = 'arraybuffer';
     this.ws = ws;
     const ready = new Promise<void>((resolve, reject) => {
@@ -256,6 +267,16 @@ export class Connection {
     }
     if (typeof f !== 'object' || f === null) return;
     const id = f.id as number;
+    if (f.t === 'err' && (id === null || id === undefined)) {
+      // A frame the server could not read far enough to know its request: whichever it was, it
+      // will never be answered; every open request fails with the reason rather than one hanging.
+      const e = errorFromCode(String(f.code), `the server could not read a request of ours: ${String(f.message)}`);
+      const all = [...this.pending.values()];
+      this.pending.clear();
+      idleHook?.(ws, true);
+      for (const p of all) p.reject(e);
+      return;
+    }
     const p = this.pending.get(id);
     if (!p) return; // e.g. an event that crossed a cancel
     switch (f.t) {

@@ -48,10 +48,12 @@ export class TokenAuth {
       .filter((l) => l !== '' && !l.startsWith('#'));
     if (tokens.length === 0) throw new UserError(`the token file ${path} holds no token`, 'put one token per line');
     for (const t of tokens) {
-      if (t.length < MIN_TOKEN || !/^[A-Za-z0-9._~+/=-]+$/.test(t)) {
+      // (a token travels as a WebSocket subprotocol, where / and = are not allowed, and in a
+      // URL query, where + reads as a space)
+      if (t.length < MIN_TOKEN || !/^[A-Za-z0-9._~-]+$/.test(t)) {
         throw new UserError(
-          `a token in ${path} is shorter than ${MIN_TOKEN} characters or has characters other than A-Z a-z 0-9 . _ ~ + / = -`,
-          'use a random token, e.g. 32 bytes of /dev/urandom in base64',
+          `a token in ${path} is shorter than ${MIN_TOKEN} characters or has characters other than A-Z a-z 0-9 . _ ~ -`,
+          `use a random token, e.g. \`head -c 32 /dev/urandom | base64 | tr -d '/+=' > ${path}\``,
         );
       }
     }

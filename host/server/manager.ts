@@ -297,7 +297,7 @@ export class SandboxManager {
     if (!Number.isInteger(ms) || ms < 1 || ms > this.maxTimeoutMs) {
       throw new ServiceError(
         'bad_request',
-        `timeoutMs must be an integer from 1 to ${this.maxTimeoutMs} (this server's --max-timeout), got ${ms}`,
+        `timeoutMs must be an integer from 1 to ${this.maxTimeoutMs} (this server's --max-timeout-ms), got ${ms}`,
       );
     }
   }

@@ -7,7 +7,7 @@
 // anyway): a bad frame gets an error frame and the session reads the next one.
 import type { WebSocket } from 'ws';
 import { decodeFrame, encodeFrame } from '../../protocol/codec.ts';
-import { MAX_FRAME } from '../../protocol/schema.ts';
+import { MAX_FRAME, PROTOCOL_VERSION } from '../../protocol/schema.ts';
 import { ROUTED_OPS, SERVER_OPS } from '../../protocol/server-ops.ts';
 import type { AgentCall } from './bridge.ts';
 import type { Code } from './errors.ts';
@@ -179,9 +179,11 @@ export class WsSession {
     }
     const entry: Open = { op, t0: performance.now(), call: null };
     this.open.set(id, entry);
+    // A hello the server will accept counts at once: the frames behind it in the same read
+    // (a client that does not wait for the answer) are not refused for want of it.
+    if (op === 'hello' && Array.isArray(args.versions) && args.versions.includes(PROTOCOL_VERSION)) this.hello = true;
     this.ctx.serverOp(op, args).then(
       (res) => {
-        if (op === 'hello') this.hello = true;
         // Cancelled, or the client went away, while its sandboxes were being made: no one
         // would ever learn their ids, so they go now instead of at their timeouts.
         if (this.open.get(id) !== entry) {
@@ -302,11 +304,10 @@ export class WsSession {
     // A cancel for a request that already finished is not an error: the two crossed.
     const entry = this.open.get(id);
     if (!entry) return;
-    if (entry.call) {
-      entry.call.cancel();
-      return;
-    }
-    // A server op (sandbox.fork, ...) runs on; it ends here (what it makes is killed when done).
+    // The client forgets the id at once (it may reuse it in its next frame): so does the session.
+    // A routed request is cancelled at its agent; a server op (sandbox.fork, ...) runs on (what it
+    // makes is killed when done). Their late answers find no entry and are dropped.
+    entry.call?.cancel();
     this.open.delete(id);
     this.error(id, 'cancelled', `${entry.op} cancelled`);
   }

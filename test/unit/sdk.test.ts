@@ -214,6 +214,21 @@ test('one shared connection per url and token', async () => {
   assert.match(metrics, /^forkling_ws_connections 1$/m);
 });
 
+test('a token no WebSocket can carry (/ or =) fails with a ConnectionError that says why, not a SyntaxError', async () => {
+  const err = await Sandbox.list({ url: srv.url, token: 'abcdefghijklmnop/qrstuvwxyz=' }).catch((e: Error) => e);
+  assert.instance(err, ConnectionError);
+  assert.match((err as Error).message, /a token may hold only/);
+});
+
+test('a request over the frame limit fails at once with InvalidArgumentError; the connection goes on', async () => {
+  const t0 = performance.now();
+  const err = await sb.eval(`#${'x'.repeat(20 << 20)}`).catch((e: Error) => e);
+  assert.instance(err, InvalidArgumentError);
+  assert.match((err as Error).message, /over the server's limit/);
+  assert.ok(performance.now() - t0 < 10_000);
+  assert.is((await sb.eval('1 + 1')).value, 2);
+});
+
 test('reconnect to a live sandbox from a new connection', async () => {
   await sb.eval('kept = "state survives the client"');
   Sandbox.disconnectAll();

@@ -73,6 +73,9 @@ test('token auth: file rules and checks', async () => {
   const short = join(dir, 'short');
   writeFileSync(short, 'abc\n', { mode: 0o600 });
   await rejects(TokenAuth.fromFile(short), UserError, 'shorter');
+  const slash = join(dir, 'slash');
+  writeFileSync(slash, 'abcdefghijklmnop/qrstuvwxyz0123456789=\n', { mode: 0o600 });
+  await rejects(TokenAuth.fromFile(slash), UserError, 'characters other than'); // (no subprotocol can carry it)
   const empty = join(dir, 'empty');
   writeFileSync(empty, '# nothing\n', { mode: 0o600 });
   await rejects(TokenAuth.fromFile(empty), UserError, 'no token');
@@ -87,6 +90,7 @@ test('forkling serve refuses bad setups before starting anything', async () => {
   await rejects(serveCommand(['--listen', 'nonsense']), UserError, 'invalid --listen');
   await rejects(serveCommand(['--bogus']), UserError);
   await rejects(serveCommand(['--default-timeout-ms', '10', '--max-timeout-ms', '5']), UserError, 'above');
+  await rejects(serveCommand(['--default-timeout-ms', '900000000', '--max-timeout-ms', '1000000000']), UserError, '7 days');
 });
 
 test('Prometheus rendering', () => {

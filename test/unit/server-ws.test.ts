@@ -169,6 +169,29 @@ test('duplicate ids while open are refused; ids are reusable after', async () =>
   c.close();
 });
 
+test('frames sent without waiting: a ping right behind hello is answered; an id cancelled is free again at once', async () => {
+  const c = await RawClient.open(srv.url, { token: TOKEN, hello: false });
+  c.send({ t: 'req', id: 1, op: 'hello', versions: [1] });
+  c.send({ t: 'req', id: 2, op: 'ping' });
+  const answers = [await c.next(), await c.next()];
+  assert.equal(
+    answers.map((f) => [f.t, f.id]),
+    [
+      ['res', 1],
+      ['res', 2],
+    ],
+  );
+  // a routed request cancelled, its id reused in the very next frame
+  c.send({ t: 'req', id: 7, op: 'eval', sandbox, code: 'import time; time.sleep(5); 1' });
+  c.send({ t: 'cancel', id: 7 });
+  c.send({ t: 'req', id: 7, op: 'eval', sandbox, code: '6 * 7' });
+  const cancelled = await c.next();
+  assert.equal([cancelled.t, cancelled.id, cancelled.code], ['err', 7, 'cancelled']);
+  const next = await c.next();
+  assert.equal([next.t, next.id, next.value], ['res', 7, 42], JSON.stringify(next));
+  c.close();
+});
+
 test('a flood beyond the in-flight cap gets too_many_requests; the rest are answered', async () => {
   const c = await RawClient.open(srv.url, { token: TOKEN });
   const n = 100; // the server runs with --max-in-flight 32
