@@ -64,27 +64,157 @@ function wideInts(x: unknown): unknown {
  * recurse): a server passing a sandbox's answer on would fail.
  */
 export const MAX_NESTING = 128;
+/**
+ * Most maps and arrays, and most values of any kind, in one frame. What a
+ * frame of 16 MiB could otherwise hold (16 Mi one-byte empty maps) took 10 s
+ * and 2 GiB of heap to decode, stalling every session; at these limits the
+ * worst frame decodes in about 0.1 s. The largest honest frames are far
+ * below: an eval's value is at most 100 000 items.
+ */
+export const MAX_CONTAINERS = 1 << 18;
+export const MAX_ITEMS = 1 << 21;
 
-/** Throws if `x` nests maps and arrays deeper than MAX_NESTING (without recursion). */
-function checkNesting(x: unknown): void {
-  const stack: [unknown, number][] = [[x, 1]];
-  while (stack.length) {
-    const [v, depth] = stack.pop()!;
-    if (typeof v !== 'object' || v === null || v instanceof Uint8Array) continue;
-    if (depth > MAX_NESTING) throw new Error(`maps and arrays nested deeper than ${MAX_NESTING}`);
-    for (const c of Array.isArray(v) ? v : Object.values(v)) {
-      if (typeof c === 'object' && c !== null && !(c instanceof Uint8Array)) stack.push([c, depth + 1]);
+/**
+ * Walks a msgpack payload's headers without building anything, and throws
+ * before a decode would cost more than the limits allow: nesting beyond
+ * MAX_NESTING, more than MAX_CONTAINERS maps and arrays or MAX_ITEMS values,
+ * a container that announces more values than bytes are left. Malformed or
+ * truncated bytes are left to the decoder.
+ */
+function checkShape(b: Uint8Array): void {
+  const view = new DataView(b.buffer, b.byteOffset, b.byteLength);
+  const len = b.length;
+  const open: number[] = []; // values still to come in each open container
+  let pos = 0;
+  let items = 0;
+  let containers = 0;
+  while (pos < len) {
+    const t = b[pos]!;
+    let head = 1; // header bytes
+    let skip = 0; // payload bytes after the header (str, bin, ext, numbers)
+    let count = -1; // values in a container (a map's keys and values), -1: not a container
+    if (t <= 0x7f || t >= 0xe0 || t === 0xc0 || t === 0xc2 || t === 0xc3) {
+      // fixint, nil, bool
+    } else if (t <= 0x8f) count = (t & 0x0f) * 2;
+    else if (t <= 0x9f) count = t & 0x0f;
+    else if (t <= 0xbf) skip = t & 0x1f;
+    else {
+      const need = (n: number) => pos + n < len;
+      switch (t) {
+        case 0xc4:
+        case 0xd9:
+          if (!need(1)) return;
+          head = 2;
+          skip = b[pos + 1]!;
+          break;
+        case 0xc5:
+        case 0xda:
+          if (!need(2)) return;
+          head = 3;
+          skip = view.getUint16(pos + 1);
+          break;
+        case 0xc6:
+        case 0xdb:
+          if (!need(4)) return;
+          head = 5;
+          skip = view.getUint32(pos + 1);
+          break;
+        case 0xc7:
+          if (!need(1)) return;
+          head = 3;
+          skip = b[pos + 1]!;
+          break;
+        case 0xc8:
+          if (!need(2)) return;
+          head = 4;
+          skip = view.getUint16(pos + 1);
+          break;
+        case 0xc9:
+          if (!need(4)) return;
+          head = 6;
+          skip = view.getUint32(pos + 1);
+          break;
+        case 0xca:
+        case 0xce:
+        case 0xd2:
+          skip = 4;
+          break;
+        case 0xcb:
+        case 0xcf:
+        case 0xd3:
+          skip = 8;
+          break;
+        case 0xcc:
+        case 0xd0:
+          skip = 1;
+          break;
+        case 0xcd:
+        case 0xd1:
+          skip = 2;
+          break;
+        case 0xd4:
+          skip = 2;
+          break;
+        case 0xd5:
+          skip = 3;
+          break;
+        case 0xd6:
+          skip = 5;
+          break;
+        case 0xd7:
+          skip = 9;
+          break;
+        case 0xd8:
+          skip = 17;
+          break;
+        case 0xdc:
+          if (!need(2)) return;
+          head = 3;
+          count = view.getUint16(pos + 1);
+          break;
+        case 0xdd:
+          if (!need(4)) return;
+          head = 5;
+          count = view.getUint32(pos + 1);
+          break;
+        case 0xde:
+          if (!need(2)) return;
+          head = 3;
+          count = view.getUint16(pos + 1) * 2;
+          break;
+        case 0xdf:
+          if (!need(4)) return;
+          head = 5;
+          count = view.getUint32(pos + 1) * 2;
+          break;
+        default:
+          return; // 0xc1: the decoder says so
+      }
     }
+    pos += head + skip;
+    if (++items > MAX_ITEMS) throw new Error(`more than ${MAX_ITEMS} values in one frame`);
+    if (open.length) open[open.length - 1]!--;
+    if (count >= 0) {
+      if (open.length + 1 > MAX_NESTING) throw new Error(`maps and arrays nested deeper than ${MAX_NESTING}`);
+      if (++containers > MAX_CONTAINERS) throw new Error(`more than ${MAX_CONTAINERS} maps and arrays in one frame`);
+      if (count > len - pos) throw new Error(`a map or array announces ${count} values, more than the frame's bytes left`);
+      if (count > 0) open.push(count);
+    }
+    while (open.length && open[open.length - 1] === 0) open.pop();
   }
 }
 
-/** Decodes one msgpack payload. Throws on malformed msgpack, trailing bytes, or nesting deeper than MAX_NESTING. */
+/**
+ * Decodes one msgpack payload. Throws on malformed msgpack, trailing bytes,
+ * nesting deeper than MAX_NESTING, or more values than MAX_CONTAINERS / MAX_ITEMS
+ * (checked before anything is built).
+ */
 export function decodeFrame(payload: Uint8Array): unknown {
+  checkShape(payload);
   const values = unpackr.unpackMultiple(payload) as unknown[];
   if (values.length !== 1) throw new Error(`expected one msgpack value, found ${values.length}`);
   // msgpackr returns a marker for the never-used byte 0xc1 instead of failing
   if (values[0] === C1) throw new Error('byte 0xc1 is not valid msgpack');
-  checkNesting(values[0]);
   return values[0];
 }
 

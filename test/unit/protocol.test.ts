@@ -85,6 +85,27 @@ test('codec: malformed payloads throw', () => {
   assert.throws(() => decodeFrame(nest(100_000)));
 });
 
+test('codec: a frame of many tiny maps is refused before anything is built; one at the limits decodes', () => {
+  const withArray = (n: number, item: number) => {
+    // {t: 'x', a: [n items]}, the items each one byte (0x80: an empty map; 0xc0: nil)
+    const head = encodeFrame({ t: 'x', a: [] });
+    const out = new Uint8Array(head.length - 1 + 5 + n);
+    out.set(head.subarray(0, head.length - 1));
+    out[head.length - 1] = 0xdd;
+    new DataView(out.buffer).setUint32(head.length, n);
+    out.fill(item, head.length + 4);
+    return out;
+  };
+  const t0 = performance.now();
+  assert.throws(() => decodeFrame(withArray(16 << 20, 0x80)), /more than 262144 maps and arrays/);
+  assert.throws(() => decodeFrame(withArray(8 << 20, 0xc0)), /more than 2097152 values/);
+  assert.ok(performance.now() - t0 < 2000, 'refused without decoding');
+  assert.is((decodeFrame(withArray(200_000, 0x80)) as { a: unknown[] }).a.length, 200_000);
+  // an array that announces more values than there are bytes
+  const lying = new Uint8Array([0x81, 0xa1, 0x74, 0xdd, 0xff, 0xff, 0xff, 0xff, 0xc0]);
+  assert.throws(() => decodeFrame(lying), /announces/);
+});
+
 test('FrameReader: frames split at every byte boundary and several per chunk', () => {
   const frames = [{ t: 'ev', id: 1, ev: 'x' }, { t: 'res', id: 2, big: new Uint8Array(70000).fill(7) }, { t: 'cancel', id: 3 }];
   const stream = new Uint8Array(frames.reduce((n, f) => n + encodePrefixed(f).length, 0));

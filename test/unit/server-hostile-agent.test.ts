@@ -42,6 +42,14 @@ const nested = (depth: number) => {
 function valueFor(code: string): Uint8Array {
   if (code === 'cyclic') return Uint8Array.from([0xd6, 0x69, 0, 0, 0, 1, 0x91, 0xd6, 0x70, 0, 0, 0, 1]); // msgpackr's id + back-reference
   if (code === 'deep') return nested(MAX_NESTING + 1); // (deeper would decode here but not encode again)
+  if (code === 'bomb') {
+    // 15 Mi empty maps of one byte each: 10 s and 2 GiB to decode, were it decoded
+    const n = 15 << 20;
+    const b = new Uint8Array(5 + n).fill(0x80);
+    b[0] = 0xdd;
+    new DataView(b.buffer).setUint32(1, n);
+    return b;
+  }
   return Uint8Array.of(Number(code)); // (a small number: msgpack's positive fixint is the byte itself)
 }
 
@@ -123,16 +131,19 @@ test.after(async () => {
   rmSync(dir, { recursive: true, force: true });
 });
 
-test('an agent that answers what the host does not decode (nested too deep, a value that contains itself) ends its connection; the server and the session go on', async () => {
+test('an agent that answers what the host does not decode (nested too deep, a value that contains itself, millions of maps) ends its connection; the server and the session go on', async () => {
   const { ask, close } = await session(url);
   assert.is((await ask({ op: 'sandbox.create' })).t, 'res');
   for (const [code, sandbox] of [
     ['deep', 'hostile1'],
     ['cyclic', 'hostile2'],
+    ['bomb', 'hostile3'],
   ] as const) {
     assert.is((await ask({ op: 'sandbox.create' })).t, 'res');
     assert.is((await ask({ op: 'eval', sandbox, code: '7' })).value, 7);
+    const t0 = performance.now();
     const bad = await ask({ op: 'eval', sandbox, code });
+    assert.ok(performance.now() - t0 < 3000, `${code}: refused without decoding it`);
     assert.is(bad.t, 'err', JSON.stringify(bad).slice(0, 200));
     assert.match(String(bad.message), /undecodable frame from the agent/);
     const after = await ask({ op: 'eval', sandbox, code: '7' });
@@ -140,11 +151,11 @@ test('an agent that answers what the host does not decode (nested too deep, a va
   }
   // An agent may not answer with one of the server's own codes (a REST 401, the SDK's AuthError).
   assert.is((await ask({ op: 'sandbox.create' })).t, 'res');
-  const claim = await ask({ op: 'eval', sandbox: 'hostile3', code: 'claim' });
+  const claim = await ask({ op: 'eval', sandbox: 'hostile4', code: 'claim' });
   assert.is(claim.code, 'internal', JSON.stringify(claim));
   // The server and the session go on.
   assert.is((await ask({ op: 'sandbox.create' })).t, 'res');
-  assert.is((await ask({ op: 'eval', sandbox: 'hostile4', code: '8' })).value, 8);
+  assert.is((await ask({ op: 'eval', sandbox: 'hostile5', code: '8' })).value, 8);
   close();
 });
 
