@@ -269,6 +269,7 @@ export class WsSession {
       this.ws.pause();
     } else if (this.paused && this.backlog <= RESUME_AT) {
       this.paused = false;
+      this.alive = true; // (its pong may still wait in what was not read)
       this.ws.resume();
     }
     if (!this.paused) {
@@ -368,7 +369,9 @@ export class WsSession {
 
   /** Heartbeat: true when the client answered the previous ping (else it is dropped). */
   heartbeat(): boolean {
-    if (!this.alive) {
+    // (while the session does not read its client, on purpose, no pong can arrive: the stall
+    // rule bounds that time instead)
+    if (!this.alive && !this.paused) {
       this.ws.terminate();
       return false;
     }
