@@ -1,8 +1,8 @@
 // The on-disk store: images, templates, caches. One root, atomic writes.
 import { randomBytes } from 'node:crypto';
-import { mkdirSync, renameSync, rmSync, writeFileSync } from 'node:fs';
+import { closeSync, existsSync, fsyncSync, mkdirSync, openSync, readdirSync, renameSync, rmSync, writeFileSync } from 'node:fs';
 import { homedir } from 'node:os';
-import { dirname, join } from 'node:path';
+import { basename, dirname, join } from 'node:path';
 
 /** $FORKLING_HOME, else /var/lib/forkling for root, else $XDG_DATA_HOME/forkling. */
 export function storeRoot(): string {
@@ -28,19 +28,68 @@ export function writeFileAtomic(path: string, data: string | Uint8Array): void {
   }
 }
 
+/** fsync of a file or directory by path (a directory: its entries, after renames in it). */
+function syncPath(path: string): void {
+  const fd = openSync(path, 'r');
+  try {
+    fsyncSync(fd);
+  } finally {
+    closeSync(fd);
+  }
+}
+
+const pidAlive = (pid: number): boolean => {
+  try {
+    process.kill(pid, 0);
+    return true;
+  } catch (e) {
+    return (e as NodeJS.ErrnoException).code === 'EPERM';
+  }
+};
+
+/**
+ * What a build of `dest` by a process that died left next to it: its staging
+ * directory goes; its `.old-` (the previous `dest`, moved aside just before
+ * the new one moved in) is put back if `dest` is missing, else goes.
+ */
+function recoverBuilds(parent: string, name: string): void {
+  let entries: string[] = [];
+  try {
+    entries = readdirSync(parent);
+  } catch {
+    return;
+  }
+  for (const e of entries) {
+    const m = /^\.(staging|old)-(.+)-(\d+)-[0-9a-f]{12}$/.exec(e);
+    if (!m || m[2] !== name || pidAlive(Number(m[3]))) continue;
+    const path = join(parent, e);
+    try {
+      if (m[1] === 'old' && !existsSync(join(parent, name))) renameSync(path, join(parent, name));
+      else rmSync(path, { recursive: true, force: true });
+    } catch {}
+  }
+}
+
 /**
  * Builds a directory atomically: `fill` writes into a staging directory next to
- * `dest`; only when it succeeds does the staging directory replace `dest`.
- * A failure or crash leaves `dest` as it was (stale staging dirs start with '.staging-').
+ * `dest`; only when it succeeds does the staging directory replace `dest`, its
+ * files and itself synced first (a power loss right after never shows a
+ * complete-looking `dest` with empty files). A failure leaves `dest` as it
+ * was; what a crash left is put right by the next build of `dest`.
  */
 export async function buildDirAtomic(dest: string, fill: (staging: string) => Promise<void>): Promise<void> {
   const parent = dirname(dest);
+  const name = basename(dest);
   mkdirSync(parent, { recursive: true });
-  const staging = join(parent, `.staging-${randomBytes(6).toString('hex')}`);
+  recoverBuilds(parent, name);
+  const tag = () => `${name}-${process.pid}-${randomBytes(6).toString('hex')}`;
+  const staging = join(parent, `.staging-${tag()}`);
   mkdirSync(staging);
   try {
     await fill(staging);
-    const old = join(parent, `.old-${randomBytes(6).toString('hex')}`);
+    for (const e of readdirSync(staging, { withFileTypes: true })) if (e.isFile()) syncPath(join(staging, e.name));
+    syncPath(staging);
+    const old = join(parent, `.old-${tag()}`);
     let hadOld = false;
     try {
       renameSync(dest, old);
@@ -50,10 +99,23 @@ export async function buildDirAtomic(dest: string, fill: (staging: string) => Pr
       // redirect_dir, EACCES) would only surface as a puzzling ENOTEMPTY below.
       if ((e as NodeJS.ErrnoException).code !== 'ENOENT') throw e;
     }
-    renameSync(staging, dest);
+    try {
+      renameSync(staging, dest);
+    } catch (e) {
+      if (hadOld) renameSync(old, dest); // (the previous one back in place)
+      throw e;
+    }
+    syncPath(parent);
     if (hadOld) rmSync(old, { recursive: true, force: true });
   } catch (e) {
     rmSync(staging, { recursive: true, force: true });
     throw e;
   }
+}
+
+/** Removes a directory of the store as one step for its readers: moved aside first, then deleted. */
+export function removeDirAtomic(dir: string): void {
+  const aside = join(dirname(dir), `.old-${basename(dir)}-${process.pid}-${randomBytes(6).toString('hex')}`);
+  renameSync(dir, aside);
+  rmSync(aside, { recursive: true, force: true });
 }

@@ -7,7 +7,7 @@ import { existsSync, readdirSync, readFileSync, rmSync } from 'node:fs';
 import type { TemplateInfo } from '../engine/engine.ts';
 import { openEngine } from '../engine/select.ts';
 import { checkName, UserError } from '../errors.ts';
-import { storePath } from '../store.ts';
+import { removeDirAtomic, storePath } from '../store.ts';
 import { parseSubcommand } from './args.ts';
 
 const USAGE = `usage:
@@ -133,9 +133,13 @@ export async function templateCommand(argv: string[]): Promise<number> {
       if (positionals.length !== 1) throw new UserError('template rm takes exactly one template name', USAGE);
       const name = checkName('template', positionals[0]!);
       const found = listStoredTemplates().filter((t) => t.name === name);
+      // A KVM template whose template.json cannot be read (damaged) is not listed, but goes too.
+      const kvmDir = storePath('templates', name);
+      if (!found.some((t) => t.engine === 'kvm') && existsSync(kvmDir)) found.push({ name, engine: 'kvm', path: kvmDir } as StoredTemplate);
       if (!found.length) throw new UserError(`template ${JSON.stringify(name)} does not exist`, 'see forkling template ls');
       for (const t of found) {
-        if (t.engine === 'kvm') rmSync(storePath('templates', name), { recursive: true, force: true });
+        // (moved aside in one step: a process loading it meanwhile sees it whole or not at all)
+        if (t.engine === 'kvm') removeDirAtomic(kvmDir);
         else rmSync(t.path, { force: true });
         console.log(`removed template ${name} (${t.engine})`);
       }

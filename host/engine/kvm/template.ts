@@ -164,7 +164,7 @@ export async function createKvmTemplate(
     };
     await buildDirAtomic(templateDir(opts.name), async (staging) => {
       const w = vm.saveTemplate(staging);
-      writeFileSync(join(staging, INFO_FILE), `${JSON.stringify({ ...info, memoryFile: w.memory, stateBytes: w.stateBytes }, null, 2)}\n`);
+      writeFileSync(join(staging, INFO_FILE), `${JSON.stringify({ ...info, memoryFile: w.memory, stateBytes: w.stateBytes }, null, 2)}\n`, { flush: true });
     });
     return info;
   } finally {
