@@ -4,13 +4,14 @@
 // front of the real guest agent on a Unix socket; the agent must answer hello
 // through the handed-over socket.
 import { spawn } from 'node:child_process';
-import { mkdtempSync, rmSync } from 'node:fs';
+import { chmodSync, mkdirSync, mkdtempSync, rmSync, symlinkSync } from 'node:fs';
 import { connect, createServer, type Server, type Socket } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import { AgentClient } from '../../host/agent/client.ts';
+import { socketDir } from '../../host/engine/kvm/vm.ts';
 import { VsockConnectError, vsockConnect } from '../../host/engine/kvm/vsock.ts';
 
 const dir = mkdtempSync(join(tmpdir(), 'forkling-vsock-'));
@@ -57,6 +58,26 @@ function device(path: string, mode: 'ok' | 'refuse' | 'garbage' | 'slam'): Promi
   });
   return new Promise((r) => srv.listen(path, () => r(srv)));
 }
+
+test("the VMs' socket directory is used only when it is a private directory of this user", () => {
+  const base = mkdtempSync(join(tmpdir(), 'forkling-rt-'));
+  const saved = process.env.XDG_RUNTIME_DIR;
+  process.env.XDG_RUNTIME_DIR = base;
+  try {
+    const dir = join(base, `forkling-${process.getuid?.() ?? 0}`);
+    assert.is(socketDir(), dir, 'made private');
+    chmodSync(dir, 0o777); // as if another user had made it first, open to all
+    assert.throws(() => socketDir(), /not a private directory/);
+    rmSync(dir, { recursive: true });
+    mkdirSync(join(base, 'elsewhere'));
+    symlinkSync(join(base, 'elsewhere'), dir);
+    assert.throws(() => socketDir(), /not a directory/);
+  } finally {
+    if (saved === undefined) delete process.env.XDG_RUNTIME_DIR;
+    else process.env.XDG_RUNTIME_DIR = saved;
+    rmSync(base, { recursive: true, force: true });
+  }
+});
 
 test('CONNECT/OK hands over a working stream to the agent', async () => {
   await agentUp();

@@ -3,7 +3,7 @@
 // connecting (the device refuses while the guest has no listener) with a short
 // backoff, bounded by the caller's time limit, never a fixed sleep.
 import { randomBytes } from 'node:crypto';
-import { mkdirSync, rmSync } from 'node:fs';
+import { lstatSync, mkdirSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { type AgentClient, AgentError, answeredWithin } from '../../agent/client.ts';
@@ -34,11 +34,24 @@ export function vsockPathFor(id: string): string {
   return join(socketDir(), `${id}.vsock`);
 }
 
-/** Where the VMs' vsock sockets live: $XDG_RUNTIME_DIR or the temp dir, private to this user. */
-function socketDir(): string {
+/**
+ * Where the VMs' vsock sockets live: $XDG_RUNTIME_DIR or the temp dir, private
+ * to this user. One found there already must be a real directory of ours that
+ * no one else can enter: in a shared /tmp another user could have made it
+ * first, and reach every sandbox's agent through it.
+ */
+export function socketDir(): string {
   const base = process.env.XDG_RUNTIME_DIR || tmpdir();
-  const dir = join(base, `forkling-${process.getuid?.() ?? 0}`);
+  const uid = process.getuid?.() ?? 0;
+  const dir = join(base, `forkling-${uid}`);
   mkdirSync(dir, { recursive: true, mode: 0o700 });
+  const st = lstatSync(dir);
+  if (!st.isDirectory() || st.uid !== uid || (st.mode & 0o077) !== 0) {
+    throw new UserError(
+      `the socket directory ${dir} is not a private directory of this user (${st.isDirectory() ? `owner ${st.uid}, mode ${(st.mode & 0o777).toString(8)}` : 'not a directory'}): others could reach the sandboxes' agents through it`,
+      `remove it, or set XDG_RUNTIME_DIR to a directory only you can enter`,
+    );
+  }
   return dir;
 }
 
