@@ -529,6 +529,17 @@ void InitSnapshot(Napi::Env env, Napi::Object exports) {
     w->Queue();
     return p;
   }));
+  // releasePrepared(prepared): a prepared VM nobody will start goes now (its KVM VM, guest
+  // mapping and vsock socket), not when the garbage collector gets to its wrapper; a
+  // prepared VM already taken, or released, is left alone.
+  s.Set("releasePrepared", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
+    Napi::Value v = info[0];
+    if (v.IsObject()) {
+      Napi::Value h = v.As<Napi::Object>().Get("prepared");
+      if (h.IsExternal()) h.As<Napi::External<PreparedRef>>().Data()->reset();
+    }
+    return info.Env().Undefined();
+  }));
   exports.Set("snapshot", s);
 }
 

@@ -89,10 +89,16 @@ export class KvmEngine implements Engine {
   readonly name = 'kvm' as const;
   readonly isolation = KVM_ISOLATION;
   private readonly live = new Set<KvmSandbox>();
+  private closed = false;
 
   constructor(private readonly opts: KvmEngineOptions = {}) {}
 
+  private checkOpen(): void {
+    if (this.closed) throw new Error('the kvm engine is closed');
+  }
+
   async boot(opts: KvmBootOptions): Promise<KvmSandbox> {
+    this.checkOpen();
     const memoryMiB = opts.memoryMiB ?? DEFAULT_MEMORY_MIB;
     const vcpus = opts.vcpus ?? 1;
     checkResources(memoryMiB, vcpus);
@@ -124,9 +130,7 @@ export class KvmEngine implements Engine {
       onConsole: opts.onConsole,
       readyTimeoutMs: opts.readyTimeoutMs ?? DEFAULT_READY_TIMEOUT_MS,
     });
-    this.live.add(sb);
-    void sb.exited.then(() => this.live.delete(sb));
-    return sb;
+    return (await this.adopt([sb]))[0]!;
   }
 
   // Templates, fork and branch (part 2): template.ts, fork.ts, branch.ts.
@@ -150,8 +154,22 @@ export class KvmEngine implements Engine {
   }
 
   async fork(template: string, n: number): Promise<KvmSandbox[]> {
+    this.checkOpen();
     const { snapshot } = await this.loaded(template);
     return this.track(await startChildren(snapshot, n, { prefix: 'vm', readyTimeoutMs: this.opts.childReadyTimeoutMs }));
+  }
+
+  /** Sandboxes made by a call that began before close(): killed, not kept; else live. */
+  private async adopt<T extends KvmSandbox>(made: T[]): Promise<T[]> {
+    if (this.closed) {
+      await Promise.all(made.map((s) => s.kill()));
+      throw new UserError('the kvm engine was closed while its sandboxes were being made');
+    }
+    for (const s of made) {
+      this.live.add(s);
+      void s.exited.then(() => this.live.delete(s));
+    }
+    return made;
   }
 
   /** The template, checked (its memory file's checksum once per process: cached); `default` made on first use. */
@@ -169,22 +187,21 @@ export class KvmEngine implements Engine {
   }
 
   async branch(source: Sandbox, n: number): Promise<KvmSandbox[]> {
+    this.checkOpen();
     if (!(source instanceof KvmSandbox) || !this.live.has(source)) throw new UserError('branch: the source is not a live sandbox of this kvm engine');
     const { children, figures } = await branchChildren(source, n, this.opts.childReadyTimeoutMs);
     this.lastBranch = figures;
     return this.track(children);
   }
 
-  private track(children: KvmSandbox[]): KvmSandbox[] {
-    for (const c of children) {
-      c.reclaimWhenIdle(this.opts.reclaimIdleMs ?? defaultReclaimIdleMs());
-      this.live.add(c);
-      void c.exited.then(() => this.live.delete(c));
-    }
+  private async track(children: KvmSandbox[]): Promise<KvmSandbox[]> {
+    await this.adopt(children);
+    for (const c of children) c.reclaimWhenIdle(this.opts.reclaimIdleMs ?? defaultReclaimIdleMs());
     return children;
   }
 
   async close(): Promise<void> {
+    this.closed = true;
     await Promise.all([...this.live].map((s) => s.kill()));
     this.live.clear();
   }

@@ -7,7 +7,7 @@
 import { randomBytes } from 'node:crypto';
 import { type AgentClient, answeredWithin, helloAndRestore } from '../../agent/client.ts';
 import { UserError } from '../../errors.ts';
-import type { NativeSnapshot } from './native-vm.ts';
+import type { NativePreparedVm, NativeSnapshot } from './native-vm.ts';
 import { snapshotNative } from './snapshot-native.ts';
 import { AGENT_PORT, KvmSandbox, vsockPathFor } from './vm.ts';
 import { connectAgent, VsockConnectError } from './vsock.ts';
@@ -52,12 +52,13 @@ export async function startChildren(
   if (!Number.isInteger(n) || n < 1 || n > MAX_CHILDREN) throw new UserError(`cannot start ${n} children`, `n must be an integer from 1 to ${MAX_CHILDREN}`);
   const children: KvmSandbox[] = [];
   const t0 = performance.now();
+  let prepared: NativePreparedVm[] = [];
   try {
     // VM creation and state restore run in C++ on worker threads (creation
     // mostly waits on the kernel: an SRCU grace period per memory slot), then
     // each VM is wrapped and started here.
     const ids = Array.from({ length: n }, () => `${opts.prefix}-${randomBytes(6).toString('hex')}`);
-    const prepared = await snapshotNative().prepareVms(
+    prepared = await snapshotNative().prepareVms(
       snapshot,
       ids.map((id) => ({ vsockPath: vsockPathFor(id) })),
     );
@@ -90,6 +91,7 @@ export async function startChildren(
     return children;
   } catch (e) {
     await Promise.all(children.map((c) => c.kill().catch(() => {})));
+    for (const p of prepared) snapshotNative().releasePrepared(p); // (those no sandbox took over)
     throw e;
   }
 }

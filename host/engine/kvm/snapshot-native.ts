@@ -51,6 +51,8 @@ export interface SnapshotNative {
    * Each result is passed to `new Vm({ prepared })`.
    */
   prepareVms(snapshot: NativeSnapshot, configs: { vsockPath: string; vsockCid?: number; rng?: boolean }[]): Promise<NativePreparedVm[]>;
+  /** Frees a prepared VM that will not be started (a no-op for one already taken). */
+  releasePrepared(prepared: NativePreparedVm): void;
 }
 
 /** Section tags as the C++ side spells them (four ASCII characters, little-endian). */

@@ -6,7 +6,7 @@
 import { randomBytes } from 'node:crypto';
 import { existsSync, readFileSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
-import type { AgentClient } from '../../agent/client.ts';
+import { type AgentClient, answeredWithin } from '../../agent/client.ts';
 import { checkName, UserError } from '../../errors.ts';
 import { buildDirAtomic, storePath } from '../../store.ts';
 import type { TemplateInfo, TemplateOptions } from '../engine.ts';
@@ -91,6 +91,8 @@ async function connectRetrying(sb: KvmSandbox, timeoutMs: number): Promise<Agent
 }
 
 const REHEARSALS = 16;
+/** How long the template's agent has for each rehearsal, and for the freeze (a guest that stops answering fails the template). */
+const REHEARSAL_LIMIT_MS = 60_000;
 const REHEARSAL_CONTEXT = 'forkling-rehearsal';
 
 /**
@@ -106,21 +108,24 @@ async function rehearse(sb: KvmSandbox): Promise<void> {
   for (let i = 0; i < REHEARSALS; i++) {
     const c = await connectRetrying(sb, 10_000);
     try {
-      await c.hello();
-      await c.restore({ entropy: randomBytes(64) });
-      await c.eval('1 + 1', { context: REHEARSAL_CONTEXT });
-      await c.ping();
+      // (our agent answers these at once; a guest that does not must not hold the template up for ever)
+      await answeredWithin(c, REHEARSAL_LIMIT_MS, "the template's agent (rehearsal)", async (x) => {
+        await x.hello();
+        await x.restore({ entropy: randomBytes(64) });
+        await x.eval('1 + 1', { context: REHEARSAL_CONTEXT });
+        await x.ping();
+      });
     } finally {
       c.close();
     }
   }
-  await sb.agent.contextDelete(REHEARSAL_CONTEXT);
   // Last: a collection, the holes of pymalloc's pools filled (the agent's fill_pool_holes: what a
   // child allocates then comes from pools of its own, not from holes spread over the template's
   // pages), and the freeze; in the default context, binding no name there.
-  const r = await sb.agent.eval(
-    '__import__("gc").collect()\ngetattr(__import__("sys").modules["__main__"], "fill_pool_holes", lambda: None)()\n__import__("gc").freeze()',
-  );
+  const r = await answeredWithin(sb.agent, REHEARSAL_LIMIT_MS, "the template's agent (freeze)", async (a) => {
+    await a.contextDelete(REHEARSAL_CONTEXT);
+    return a.eval('__import__("gc").collect()\ngetattr(__import__("sys").modules["__main__"], "fill_pool_holes", lambda: None)()\n__import__("gc").freeze()');
+  });
   if (r.exception) throw new Error(`gc.freeze in the template failed: ${r.exception.type}: ${r.exception.message}`);
 }
 

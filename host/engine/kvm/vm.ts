@@ -245,7 +245,9 @@ export class KvmSandbox implements Sandbox {
       if (e.type === 'console') {
         for (const line of e.lines) {
           this.keepLine(line);
-          this.spec.onConsole?.(line);
+          try {
+            this.spec.onConsole?.(line);
+          } catch {} // (a caller's callback that throws must not lose the events behind it: a stop)
         }
       } else if (e.type === 'console-dropped') {
         this.keepLine(`[forkling: ${e.count} console lines dropped]`);
@@ -334,11 +336,12 @@ export class KvmSandbox implements Sandbox {
         }
         // The agent is not listening yet: back off a little (capped), then try again.
         await new Promise<void>((r) => {
-          const t = setTimeout(r, Math.min(delay, Math.max(0, deadline - performance.now())));
           const wake = () => {
             clearTimeout(t);
+            this.stopWaiters.delete(wake);
             r();
           };
+          const t = setTimeout(wake, Math.min(delay, Math.max(0, deadline - performance.now())));
           this.stopWaiters.add(wake);
         });
         delay = Math.min(delay * 2, 200);
@@ -359,8 +362,12 @@ export class KvmSandbox implements Sandbox {
     this.shutdownRequested = true;
     // The agent answers before it powers off; the connection may also drop first.
     this.client?.shutdown(true).catch(() => {});
-    const timer = new Promise<'timeout'>((r) => setTimeout(() => r('timeout'), timeoutMs).unref());
+    let t: NodeJS.Timeout | undefined;
+    const timer = new Promise<'timeout'>((r) => {
+      t = setTimeout(() => r('timeout'), timeoutMs).unref();
+    });
     const r = await Promise.race([this.exited, timer]);
+    clearTimeout(t);
     if (r === 'timeout') {
       this.finish({ reason: 'timeout', message: `the guest did not power off within ${timeoutMs} ms` });
     }
