@@ -4,7 +4,7 @@
 // copy-on-write mappings of the memory file, corrupt templates are refused,
 // branches of branches to depth 9 continue their source, and killed children
 // leave no mapping behind.
-import { mkdtempSync, readFileSync, renameSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdtempSync, readFileSync, renameSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { test } from 'uvu';
@@ -210,6 +210,13 @@ restoreTest('fork: VMs prepared on worker threads continue the template; a prepa
   console.log(`    10 VMs created and restored on worker threads in ${made.toFixed(1)} ms`);
   assert.throws(() => new Tiny({ prepared: prepared[0]! }), /already taken/);
   for (const k of kids) k.vm.kill();
+  // prepared VMs no one takes over are released at once (a fork failing part-way): their
+  // sockets go with them; releasing one already taken is a no-op
+  const spare = await s.prepareVms(spec, [0, 1].map((i) => ({ vsockPath: join(dir, `r${i}.sock`) })));
+  assert.ok(existsSync(join(dir, 'r0.sock')) && existsSync(join(dir, 'r1.sock')));
+  for (const p of [...spare, prepared[0]!]) s.releasePrepared(p);
+  assert.not.ok(existsSync(join(dir, 'r0.sock')) || existsSync(join(dir, 'r1.sock')), 'released: their sockets are gone');
+  assert.throws(() => new Tiny({ prepared: spare[0]! }), /already taken/);
 });
 
 test('a corrupt or truncated template is refused, never restored', () => {
