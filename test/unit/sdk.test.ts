@@ -13,6 +13,9 @@ import {
   SandboxError,
   TimeoutError,
 } from '../../host/index.ts';
+import type { WebSocketLike } from '../../host/sdk/connection.ts';
+import { decodeFrame, encodeFrame } from '../../protocol/codec.ts';
+import { MAX_FRAME } from '../../protocol/schema.ts';
 import { type Served, serve } from './server-harness.ts';
 import { loud } from '../loud-hook.ts';
 
@@ -227,6 +230,37 @@ test('a request over the frame limit fails at once with InvalidArgumentError; th
   assert.match((err as Error).message, /over the server's limit/);
   assert.ok(performance.now() - t0 < 10_000);
   assert.is((await sb.eval('1 + 1')).value, 2);
+});
+
+test('an error frame without id (the server could not read which request) fails the open requests instead of leaving them waiting', async () => {
+  // a fake server: answers hello, then answers every later request with an err frame without id
+  const fake = (): WebSocketLike => {
+    const ws: WebSocketLike = {
+      binaryType: '',
+      readyState: 1,
+      send(data: Uint8Array) {
+        const f = decodeFrame(data) as { id: number; op: string };
+        const reply = f.op === 'hello' ? { t: 'res', id: f.id, version: 1, limits: { maxFrame: MAX_FRAME } } : { t: 'err', id: null, code: 'bad_frame', message: 'not one msgpack value' };
+        setImmediate(() => ws.onmessage?.({ data: encodeFrame(reply) }));
+      },
+      close() {},
+      onopen: null,
+      onmessage: null,
+      onclose: null,
+      onerror: null,
+    };
+    setImmediate(() => ws.onopen?.({}));
+    return ws;
+  };
+  const err = await Promise.race([
+    Sandbox.list({ url: 'http://fake.invalid:1', token: 'fake-token-0123456789', webSocket: fake }).then(
+      () => new Error('answered'),
+      (e: Error) => e,
+    ),
+    new Promise<null>((r) => setTimeout(() => r(null), 5000)),
+  ]);
+  assert.ok(err, 'the request did not wait for ever');
+  assert.match(err!.message, /could not read a request of ours/);
 });
 
 test('reconnect to a live sandbox from a new connection', async () => {
