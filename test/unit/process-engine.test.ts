@@ -441,6 +441,15 @@ test('BRANCH to depth 3: each level sees every variable above it; sources keep r
   await Promise.all([b3, b2, b1, x, y, root].map((s) => s!.kill()));
 });
 
+/** Python for a source sandbox: branch_pid(), the pid (in its namespace) of its one branch (the only other PID 1 it sees). */
+const BRANCH_PID_PY = `def branch_pid():
+    for p in os.listdir('/proc'):
+        if p.isdigit() and p != '1':
+            status = open('/proc/%s/status' % p).read()
+            if [l for l in status.splitlines() if l.startswith('NSpid:')][0].split()[-1] == '1':
+                return int(p)
+`;
+
 test('a source that answers a BRANCH with the pid of its earlier branch: refused, and that branch lives on', async () => {
   const [src] = await engine.fork(TEMPLATE, 1);
   const [b1] = await engine.branch(src!, 1);
@@ -449,13 +458,7 @@ test('a source that answers a BRANCH with the pid of its earlier branch: refused
   await val(
     src!.agent,
     `import sys, os
-def b1_pid():
-    for p in os.listdir('/proc'):
-        if p.isdigit() and p != '1':
-            status = open('/proc/%s/status' % p).read()
-            if [l for l in status.splitlines() if l.startswith('NSpid:')][0].split()[-1] == '1':
-                return int(p)
-forged = b1_pid()
+${BRANCH_PID_PY}forged = branch_pid()
 sys.modules['forkling_zygote']._agent_mod.OPS['branch'] = lambda agent, conn, f: {'children': [{'id': ch['id'], 'ok': True, 'pid': forged} for ch in f['children']]}
 forged is not None`,
   );
@@ -484,13 +487,7 @@ c.recv(1); len(agent.connections)`,
   const held = await val(
     src!.agent,
     `import os, socket, time
-def branch_pid():
-    for p in os.listdir('/proc'):
-        if p.isdigit() and p != '1':
-            status = open('/proc/%s/status' % p).read()
-            if [l for l in status.splitlines() if l.startswith('NSpid:')][0].split()[-1] == '1':
-                return int(p)
-path = '/proc/%d/root/tmp/give.sock' % branch_pid()
+${BRANCH_PID_PY}path = '/proc/%d/root/tmp/give.sock' % branch_pid()
 for _ in range(500):
     if os.path.exists(path): break
     time.sleep(0.01)
