@@ -102,10 +102,13 @@ export class Connection {
     return c;
   }
 
-  /** Closes every shared connection (sandboxes live on in the server). */
+  /**
+   * Closes every shared connection (sandboxes live on in the server). They stay
+   * the shared ones: a Sandbox object made before reconnects through its own on
+   * its next call, and the next closeAll() closes that one too.
+   */
   static closeAll(): void {
     for (const c of pool.values()) c.close();
-    pool.clear();
   }
 
   /** What the server said in hello (version, limits, engine); null before the first request. */
@@ -229,13 +232,15 @@ export class Connection {
         else reject(new ConnectionError(`cannot connect to ${this.url}${msg ? `: ${msg}` : ''}`));
       };
       ws.onclose = (ev) => {
-        if (this.ws === ws) {
+        // (a socket closed by close() ends late: the requests pending then are a newer socket's)
+        const current = this.ws === ws;
+        if (current) {
           this.ws = null;
           this.ready = null;
         }
         const why = `the connection to ${this.url} closed (${ev.code}${ev.reason ? ` ${ev.reason}` : ''})`;
         if (!opened) reject(new ConnectionError(why));
-        this.failAll(new ConnectionError(`${why}; sandboxes live on, later calls reconnect`));
+        if (current) this.failAll(new ConnectionError(`${why}; sandboxes live on, later calls reconnect`));
       };
     });
     this.ready = ready;

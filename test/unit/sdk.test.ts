@@ -268,8 +268,14 @@ test('reconnect to a live sandbox from a new connection', async () => {
   Sandbox.disconnectAll();
   const re = await Sandbox.connect(sb.id, opts);
   assert.is((await re.eval('kept')).value, 'state survives the client');
-  // the old object reconnects too (lazily, on its next call)
+  // the old object reconnects too (lazily, on its next call), on the same shared connection
   assert.is((await sb.eval('kept')).value, 'state survives the client');
+  const metrics = async () => (await (await fetch(`${srv.url}/metrics`, { headers: { authorization: `Bearer ${TOKEN}` } })).text()).match(/^forkling_ws_connections (\d+)$/m)?.[1];
+  assert.is(await metrics(), '1', 'one connection for both objects');
+  Sandbox.disconnectAll(); // closes that one too
+  let left = await metrics();
+  for (const t0 = Date.now(); left !== '0' && Date.now() - t0 < 5000; left = await metrics()) await new Promise((r) => setTimeout(r, 20));
+  assert.is(left, '0', 'no connection left open');
 });
 
 test('a background command outlives a dropped connection; wait() still gives its exit', async () => {
