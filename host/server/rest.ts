@@ -13,6 +13,8 @@ import { ServiceError } from './errors.ts';
 import { checkSandboxId, routedArgs, serverArgs } from './validate.ts';
 import type { Outlet } from './unsent.ts';
 
+/** How long a sandbox may take none of a raw upload (PUT .../files) before it is ended (as a WebSocket stream's). */
+const UPLOAD_STALL_MS = 5000;
 const ROUTED = new Set<string>(ROUTED_OPS);
 
 /** Bytes → base64, bigints → numbers (or strings beyond 2^53): what JSON can carry. */
@@ -337,6 +339,9 @@ export class RestApi {
     call.done.catch(() => {
       failed = true;
     });
+    // As on a WebSocket: an agent that takes none of the upload for UPLOAD_STALL_MS ends it.
+    let stalled: string | null = null;
+    let stallTimer: NodeJS.Timeout | undefined;
     req.on('data', (chunk: Buffer) => {
       if (failed) return;
       let sent: Promise<void> = Promise.resolve();
@@ -346,7 +351,15 @@ export class RestApi {
       // Read no more of the body until the agent's connection takes more: an agent that
       // stops reading must not make the server hold the upload.
       req.pause();
-      void sent.then(() => req.resume());
+      clearTimeout(stallTimer);
+      stallTimer = setTimeout(() => {
+        stalled = `files.write: the sandbox took none of this upload for ${UPLOAD_STALL_MS / 1000} s`;
+        call.cancel();
+      }, UPLOAD_STALL_MS);
+      void sent.then(() => {
+        clearTimeout(stallTimer);
+        req.resume();
+      });
     });
     req.on('end', () => {
       if (!failed) call.send('end', {});
@@ -356,7 +369,9 @@ export class RestApi {
       const result = await call.done;
       this.json(res, 200, result);
     } catch (e) {
+      clearTimeout(stallTimer);
       req.resume();
+      if (stalled) throw new ServiceError('resource_exhausted', stalled);
       throw e;
     }
   }

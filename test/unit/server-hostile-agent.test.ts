@@ -172,6 +172,27 @@ test('a stream into an agent that stops reading: the server stops reading the cl
   close();
 });
 
+test('a raw upload (PUT .../files) into an agent that stops reading is ended after 5 s without progress, saying so', async () => {
+  const { ask, close } = await session(url);
+  const sandbox = await created(ask);
+  close();
+  let sentMiB = 0;
+  const body = new ReadableStream<Uint8Array>({
+    pull(c) {
+      if (sentMiB++ >= 200) c.close();
+      else c.enqueue(new Uint8Array(1 << 20));
+    },
+  });
+  const t0 = performance.now();
+  const r = await fetch(`${url}/v1/sandboxes/${sandbox}/files?path=/tmp/big`, { method: 'PUT', body, duplex: 'half' } as RequestInit);
+  assert.is(r.status, 503);
+  const j = (await r.json()) as { error: { code: string; message: string } };
+  assert.is(j.error.code, 'resource_exhausted');
+  assert.match(j.error.message, /took none of this upload for 5 s/);
+  assert.ok(performance.now() - t0 < 60_000, 'ended long before any request timeout');
+  assert.ok(sentMiB < 200, `the server stopped reading (${sentMiB} MiB taken from the client)`);
+});
+
 test('an SDK stream upload into an agent that stops reading: the SDK stops reading its source too', async () => {
   const { Sandbox } = await import('../../host/index.ts');
   const sb = await Sandbox.create({ template: 'default', url });
