@@ -28,7 +28,10 @@ void VirtioRng::QueueNotify(uint16_t queue) {
   if (!active_ || queue != 0 || failed()) return;
   bool pushed = false;
   uint8_t buf[4096];
-  for (;;) {
+  // At most one ring's worth per kick: a guest re-posting buffers from another vCPU while
+  // this runs must not keep this vCPU thread here for ever (holding the VM's I/O lock, so
+  // that pause and kill, on Node's thread, waited for ever). A guest kicks after each post.
+  for (uint32_t n = 0; n < queue_.size(); n++) {
     std::string err;
     Virtqueue::PopResult r = queue_.Pop(&chain_, &err);
     if (r == Virtqueue::PopResult::kEmpty) break;

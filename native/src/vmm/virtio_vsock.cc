@@ -394,18 +394,37 @@ void VirtioVsock::Loop() {
       FailDevice(std::string("vsock: epoll_wait failed: ") + std::strerror(errno));
       break;
     }
-    for (int i = 0; i < n && !stop_; i++) {
-      const uint64_t token = events[i].data.u64;
-      if (token == kKickToken) {
-        uint64_t v;
-        ssize_t ignored = read(kick_fd_, &v, sizeof v);
-        (void)ignored;
-      } else if (token == kListenToken) {
-        AcceptAll();
-      } else {
-        HandleConnEvent(token, events[i].events);
+    // An exception here (out of memory while queueing for a guest) would end Node
+    // (std::terminate on this thread): it fails this device instead.
+    auto guarded = [this](auto&& fn) {
+      try {
+        fn();
+      } catch (const std::exception& e) {
+        try {
+          FailDevice(std::string("vsock: internal error: ") + e.what());
+        } catch (...) {
+        }
+      } catch (...) {
+        try {
+          FailDevice("vsock: internal error");
+        } catch (...) {
+        }
       }
-    }
+    };
+    guarded([&] {
+      for (int i = 0; i < n && !stop_; i++) {
+        const uint64_t token = events[i].data.u64;
+        if (token == kKickToken) {
+          uint64_t v;
+          ssize_t ignored = read(kick_fd_, &v, sizeof v);
+          (void)ignored;
+        } else if (token == kListenToken) {
+          AcceptAll();
+        } else {
+          HandleConnEvent(token, events[i].events);
+        }
+      }
+    });
     if (stop_) break;
     kick_pending_ = false;
     uint64_t sync_target;
@@ -413,7 +432,7 @@ void VirtioVsock::Loop() {
       std::lock_guard<std::mutex> l(sync_mu_);
       sync_target = sync_requested_;
     }
-    Pass();
+    guarded([&] { Pass(); });
     {
       std::lock_guard<std::mutex> l(sync_mu_);
       if (sync_target > sync_done_) sync_done_ = sync_target;
@@ -785,7 +804,7 @@ void VirtioVsock::ReadFromHost(Conn* c) {
   const uint64_t id = c->id;
   while (c->state == Conn::State::kConnected && !c->host_eof && !c->guest_shut_rcv) {
     size_t room_conn = c->queued_rx < kMaxQueuedPerConn ? kMaxQueuedPerConn - c->queued_rx : 0;
-    size_t room_all = rx_pending_bytes_ < kMaxQueuedTotal ? kMaxQueuedTotal - rx_pending_bytes_ : 0;
+    size_t room_all = rx_pending_bytes_ < kMaxQueuedTotal && rx_pending_.size() < kMaxQueuedPackets ? kMaxQueuedTotal - rx_pending_bytes_ : 0;
     const uint32_t credit = PeerCredit(c);
     size_t want = std::min<size_t>({credit, room_conn, room_all, kMaxPacketPayload});
     if (want == 0) {
@@ -897,7 +916,7 @@ void VirtioVsock::UpdateInterest(Conn* c) {
       break;  // HUP is reported anyway
     case Conn::State::kConnected:
       if (!c->host_eof && !c->guest_shut_rcv && PeerCredit(c) > 0 && c->queued_rx < kMaxQueuedPerConn &&
-          rx_pending_bytes_ < kMaxQueuedTotal)
+          rx_pending_bytes_ < kMaxQueuedTotal && rx_pending_.size() < kMaxQueuedPackets)
         want |= EPOLLIN;
       if (c->pending_to_host() > 0) want |= EPOLLOUT;
       break;

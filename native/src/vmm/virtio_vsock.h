@@ -89,6 +89,9 @@ class VirtioVsock : public VirtioDevice {
   static constexpr size_t kMaxQueuedPerConn = 256 * 1024;
   static constexpr size_t kMaxQueuedTotal = 8 * 1024 * 1024;
   static constexpr size_t kMaxQueuedControl = 1024;
+  // Packets of any kind waiting for the guest: the byte limits count payload only, and a guest
+  // granting credit a byte at a time over many connections made one ~100-byte packet per byte.
+  static constexpr size_t kMaxQueuedPackets = 8192;
   // Tx chains handled per loop pass before host I/O gets a turn.
   static constexpr int kMaxTxPerPass = 4 * kQueueSize;
 
