@@ -895,7 +895,11 @@ len(KIDS)`,
 test('a branch is ready once it says so, though a process it forked holds its ready pipe', async () => {
   const [src] = await engine.fork(TEMPLATE, 1);
   // (an at-fork handler of the source's code forks in every branch before its set-up ends)
-  await val(src!.agent, 'import os, time\ndef after():\n    if os.fork() == 0:\n        time.sleep(60)\n        os._exit(0)\nos.register_at_fork(after_in_child=after)\n1');
+  // (once per branch: the handler runs again in the process it forks, which would fork on to the pids limit)
+  await val(
+    src!.agent,
+    "import os, time\ndef after():\n    if os.environ.get('HELD_ONCE'):\n        return\n    os.environ['HELD_ONCE'] = '1'\n    if os.fork() == 0:\n        time.sleep(60)\n        os._exit(0)\nos.register_at_fork(after_in_child=after)\n1",
+  );
   const t0 = performance.now();
   const [b] = await engine.branch(src!, 1);
   assert.ok(performance.now() - t0 < 20_000, 'not held until the end of file');

@@ -9,25 +9,35 @@ import { sandboxAddon } from './native.ts';
 export class ProcessRef {
   private fd: number;
   private gone = false;
-  /** Resolves once the process has exited (a zombie, or reaped). */
-  readonly exited: Promise<void>;
+  private watched: Promise<void> | null = null;
 
   /** Throws (code ESRCH) if there is no process `pid`. `reap`: it is our child, reaped once it exits (a launched root). */
   constructor(
     readonly pid: number,
-    opts: { reap?: boolean } = {},
+    private readonly opts: { reap?: boolean } = {},
   ) {
-    const addon = sandboxAddon();
-    this.fd = addon.sandboxPidfd(pid);
-    this.exited = new Promise<void>((resolve) => {
-      try {
-        addon.sandboxWatchPidfd(this.fd, () => resolve(), opts.reap === true);
-      } catch {
-        resolve(); // (no watch: treated as gone rather than waited for forever)
-      }
-    }).then(() => {
-      this.gone = true;
-    });
+    this.fd = sandboxAddon().sandboxPidfd(pid);
+  }
+
+  /**
+   * Resolves once the process has exited (a zombie, or reaped). The watch (a
+   * copy of the pidfd on the event loop, until the exit) starts at the first
+   * use: a process only looked at, then released, is not watched.
+   */
+  get exited(): Promise<void> {
+    if (!this.watched) {
+      this.watched = new Promise<void>((resolve) => {
+        try {
+          if (this.fd < 0) throw new Error('released');
+          sandboxAddon().sandboxWatchPidfd(this.fd, () => resolve(), this.opts.reap === true);
+        } catch {
+          resolve(); // (no watch: treated as gone rather than waited for forever)
+        }
+      }).then(() => {
+        this.gone = true;
+      });
+    }
+    return this.watched;
   }
 
   /** Has not exited (as far as the event loop has seen). */
@@ -41,7 +51,7 @@ export class ProcessRef {
     return sandboxAddon().sandboxSignal(this.fd, constants.signals[signal]);
   }
 
-  /** Closes the pidfd (the exit watch goes on with its own copy); signal() is a no-op after. */
+  /** Closes the pidfd (an exit watch started goes on with its own copy); signal() is a no-op after. */
   release(): void {
     if (this.fd >= 0) closeSync(this.fd);
     this.fd = -1;
