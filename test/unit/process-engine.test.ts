@@ -952,6 +952,22 @@ test('a cold boot from the image gives a sandbox of its own (no zygote)', async 
   await Promise.all([b!.kill(), s.kill()]);
 });
 
+test('a template made again: its old zygote lives while a fork of it does, and goes with the last one', async () => {
+  await withTemplate('remade', ['X = 1'], async (name, kids) => {
+    const [old] = await engine.fork(name, 1);
+    const oldZygote = engine.zygotePid(name)!;
+    await engine.createTemplate({ name, image: 'default', warmup: 'X = 2' });
+    assert.is.not(engine.zygotePid(name), oldZygote, 'a new zygote');
+    assert.ok(alive(oldZygote), 'the old zygote lives on: its fork runs in its pid namespace');
+    assert.is(await val(old!.agent, 'X'), 1);
+    const [fresh] = await engine.fork(name, 1);
+    kids.push(fresh!);
+    assert.is(await val(fresh!.agent, 'X'), 2);
+    await old!.kill();
+    assert.ok(await pollUntil(() => !alive(oldZygote), 10_000), 'the old zygote went with its last fork');
+  });
+});
+
 test('a template outlives its engine: another engine forks it from its saved definition', async () => {
   const other = new ProcessEngine({ warn: () => {} });
   try {
