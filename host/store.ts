@@ -3,6 +3,7 @@ import { randomBytes } from 'node:crypto';
 import { closeSync, existsSync, fsyncSync, mkdirSync, openSync, readdirSync, renameSync, rmSync, writeFileSync } from 'node:fs';
 import { homedir } from 'node:os';
 import { basename, dirname, join } from 'node:path';
+import { processRunning } from './util/process.ts';
 
 /** $FORKLING_HOME, else /var/lib/forkling for root, else $XDG_DATA_HOME/forkling. */
 export function storeRoot(): string {
@@ -38,15 +39,6 @@ function syncPath(path: string): void {
   }
 }
 
-const pidAlive = (pid: number): boolean => {
-  try {
-    process.kill(pid, 0);
-    return true;
-  } catch (e) {
-    return (e as NodeJS.ErrnoException).code === 'EPERM';
-  }
-};
-
 /**
  * What a build of `dest` by a process that died left next to it: its staging
  * directory goes; its `.old-` (the previous `dest`, moved aside just before
@@ -61,7 +53,7 @@ function recoverBuilds(parent: string, name: string): void {
   }
   for (const e of entries) {
     const m = /^\.(staging|old)-(.+)-(\d+)-[0-9a-f]{12}$/.exec(e);
-    if (!m || m[2] !== name || pidAlive(Number(m[3]))) continue;
+    if (!m || m[2] !== name || processRunning(Number(m[3]))) continue;
     const path = join(parent, e);
     try {
       if (m[1] === 'old' && !existsSync(join(parent, name))) renameSync(path, join(parent, name));

@@ -169,7 +169,7 @@ export async function createKvmTemplate(
     };
     await buildDirAtomic(templateDir(opts.name), async (staging) => {
       const w = vm.saveTemplate(staging);
-      writeFileSync(join(staging, INFO_FILE), `${JSON.stringify({ ...info, memoryFile: w.memory, stateBytes: w.stateBytes }, null, 2)}\n`, { flush: true });
+      writeFileSync(join(staging, INFO_FILE), `${JSON.stringify({ ...info, memoryFile: w.memory, stateBytes: w.stateBytes }, null, 2)}\n`); // (synced with the directory: buildDirAtomic)
     });
     return info;
   } finally {

@@ -7,7 +7,7 @@
 import { existsSync, mkdirSync, readdirSync, readFileSync, rmdirSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { pollUntil } from '../../util/poll.ts';
-import { processRunning } from './runtime.ts';
+import { processRunning } from '../../util/process.ts';
 
 export interface CgroupLimits {
   memoryBytes: number;

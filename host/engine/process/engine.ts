@@ -15,6 +15,7 @@ import { checkName, UserError } from '../../errors.ts';
 import { ensureImage } from '../../images.ts';
 import { storePath, writeFileAtomic } from '../../store.ts';
 import { envFlag, envWhole } from '../../util/env.ts';
+import { processRunning } from '../../util/process.ts';
 import type { BootOptions, Engine, ExitInfo, Sandbox, SandboxStats, TemplateInfo, TemplateOptions } from '../engine.ts';
 import { AGENT_SOCKET, connectAgent } from './agent-socket.ts';
 import { ProcessRef } from './process-ref.ts';
@@ -85,8 +86,6 @@ interface Root {
   dir: string;
   console: string[];
   cgroup: Cgroup | null;
-  /** Resolves when the root's PID 1 has exited. */
-  exited: Promise<void>;
   /** Our end of its lifeline pipe: closing it (or our death) ends the root. */
   lifeline: number;
 }
@@ -224,16 +223,6 @@ function median(xs: number[]): number {
   return s[Math.floor(s.length / 2)] ?? Number.NaN;
 }
 
-/** Exists and is not a zombie. */
-function alivePid(pid: number): boolean {
-  try {
-    const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
-    return stat[stat.lastIndexOf(')') + 2] !== 'Z';
-  } catch {
-    return false;
-  }
-}
-
 function privateKiB(pid: number): number {
   try {
     const s = readFileSync(`/proc/${pid}/smaps_rollup`, 'utf8');
@@ -353,7 +342,7 @@ class ProcessSandbox implements Sandbox {
     // Until none is left (they may fork meanwhile); bounded: one that cannot die (D state) is reported.
     const deadline = Date.now() + 5000;
     for (let wait = 0; ; wait = Math.min(wait * 2 || 1, 50)) {
-      const rest = descendants(this.hostPid, skip).filter((p) => alivePid(p));
+      const rest = descendants(this.hostPid, skip).filter((p) => processRunning(p));
       if (rest.length === 0) break;
       if (Date.now() > deadline) {
         this.owner.warnLine(`forkling: sandbox ${this.id}: processes ${rest.join(' ')} did not die; they go with its PID 1 later`);
@@ -576,14 +565,13 @@ export class ProcessEngine implements Engine {
       this.removeDir(dir);
       throw new UserError(`process-engine sandbox did not start: its PID 1 is gone (${(e as Error).message}); its output:\n${ring.slice(-20).join('\n')}`);
     }
-    const exited = proc.exited;
-    const root: Root = { ...launched, proc, dir, console: ring, cgroup, exited, lifeline: lifeW };
+    const root: Root = { ...launched, proc, dir, console: ring, cgroup, lifeline: lifeW };
     const timeoutMs = opts.readyTimeoutMs ?? 30000;
     let timer: ReturnType<typeof setTimeout> | undefined;
     try {
       await Promise.race([
         readyLine,
-        exited.then(() => {
+        proc.exited.then(() => {
           throw new Error(`the agent exited before it was ready; its output:\n${ring.slice(-20).join('\n')}`);
         }),
         new Promise((_, rej) => {
@@ -603,7 +591,7 @@ export class ProcessEngine implements Engine {
     root.proc.signal('SIGKILL');
     // The pid watch does not hold the event loop; this timer does, while we wait (and bounds the wait).
     let timer: ReturnType<typeof setTimeout> | undefined;
-    await Promise.race([root.exited, new Promise((r) => (timer = setTimeout(r, 10000)))]);
+    await Promise.race([root.proc.exited, new Promise((r) => (timer = setTimeout(r, 10000)))]);
     clearTimeout(timer);
     if (root.lifeline >= 0) {
       closeSync(root.lifeline);
@@ -847,13 +835,14 @@ export class ProcessEngine implements Engine {
     const cgroups = new Map<string, Cgroup | null>();
     const made: ProcessSandbox[] = [];
     let slowestMoveMs = 0; // (the first move after a quiet spell may wait for an RCU grace period: doctor's "cgroup moves")
-    let found: Map<number, ProcessRef> | null = null;
+    // The parent's children found (by pidfd), not sandboxes yet: killed if we give up on them.
+    const found = new Map<number, ProcessRef>();
     const killFound = () => {
-      for (const ref of found?.values() ?? []) {
+      for (const ref of found.values()) {
         ref.signal('SIGKILL');
         ref.release();
       }
-      found?.clear();
+      found.clear();
     };
     try {
       for (const id of ids) cgroups.set(id, this.cgroups.create(id, limits));
@@ -863,8 +852,9 @@ export class ProcessEngine implements Engine {
       // The parent (a branch's source: a sandbox) must answer for exactly the children asked for, once each.
       const answered = res.children.map((c) => c.id);
       const taken = this.hostPids();
-      // The parent's children found (by pidfd), not sandboxes yet: killed if we give up on them.
-      found = forksByNsPid(parentPid, new Set(res.children.flatMap((c) => (c.ok && c.pid !== undefined ? [c.pid] : []))), sub === 's');
+      for (const [nsPid, ref] of forksByNsPid(parentPid, new Set(res.children.flatMap((c) => (c.ok && c.pid !== undefined ? [c.pid] : []))), sub === 's')) {
+        found.set(nsPid, ref);
+      }
       // A branch's source (user code in its PID 1) chooses the pids it answers with: never one
       // of a sandbox we already have (we would move, restore and on failure kill it).
       const foreign = new Map<number, number>();
@@ -877,7 +867,6 @@ export class ProcessEngine implements Engine {
       if (answered.length !== n || new Set(answered).size !== n || !answered.every((id) => cgroups.has(id))) {
         throw new UserError(`${op}: the parent answered for ${answered.length} children, not for the ${n} asked for, each once`);
       }
-      const children = found;
       const failed = res.children.filter((c) => !c.ok);
       const settled = Promise.allSettled(
         res.children
@@ -885,9 +874,9 @@ export class ProcessEngine implements Engine {
           .map(async (c) => {
             const other = foreign.get(c.pid ?? -1);
             if (other !== undefined) throw new Error(`child ${c.id}: the ${op} parent answered with process ${other}, which is another sandbox's`);
-            const ref = children.get(c.pid ?? -1);
+            const ref = found.get(c.pid ?? -1);
             if (!ids.includes(c.id) || ref === undefined) throw new Error(`child ${c.id}: no such process under the ${op} parent`);
-            children.delete(c.pid ?? -1); // (ours to kill or to keep, from here; a pid answered twice is found once)
+            found.delete(c.pid ?? -1); // (ours to kill or to keep, from here; a pid answered twice is found once)
             const cg = cgroups.get(c.id) ?? null;
             let agent: AgentClient;
             try {

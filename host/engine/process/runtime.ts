@@ -4,10 +4,11 @@
 // sandbox's private mount namespace) and no sandbox writes here: agent
 // sockets live in each sandbox's own /run (agent-socket.ts).
 import { randomBytes } from 'node:crypto';
-import { lstatSync, mkdirSync, readdirSync, readFileSync, statfsSync } from 'node:fs';
+import { lstatSync, mkdirSync, readdirSync, statfsSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { isAbsolute, join, relative } from 'node:path';
 import { UserError } from '../../errors.ts';
+import { processRunning } from '../../util/process.ts';
 import { sandboxAddon } from './native.ts';
 
 const TMPFS_MAGIC = 0x01021994;
@@ -53,16 +54,6 @@ export function ownPrivateDir(dir: string, uid = process.getuid?.() ?? 0): void 
         ? `is writable by others (mode ${(st.mode & 0o777).toString(8)})`
         : null;
   if (why) throw new UserError(`the runtime directory ${dir} ${why}`, 'remove it, or set FORKLING_RUNTIME_DIR to a directory of your own');
-}
-
-/** Whether a process runs (a zombie, dead but not yet reaped, does not). */
-export function processRunning(pid: number): boolean {
-  try {
-    const stat = readFileSync(`/proc/${pid}/stat`, 'utf8');
-    return stat[stat.lastIndexOf(')') + 2] !== 'Z';
-  } catch {
-    return false;
-  }
 }
 
 /**
