@@ -79,6 +79,7 @@ STATE = {
     'server': None,    # zygote: (pid, socket) of its fork server
     'in_server': None,  # in a fork server and its children: the server's end of its socket to the zygote
     'plan': None,      # the children's set-up steps (_setup_plan)
+    'setup': None,     # in a child: where its set-up ran, 'c' (forkling_spawn.c) or 'python'
     # 'inherited', in a fork server only: what its children copy (forkling_inherit), taken once
 }
 # Fork handlers the warm-up registers with os.register_at_fork (see register()).
@@ -413,7 +414,9 @@ def _server_main(agent, sock):
     STATE['server_pid_fd'] = os.pidfd_open(os.getpid())
     gc.collect()  # (a full collection also empties the free lists of tuples, floats, ...)
     _agent_mod.fill_pool_holes()
-    _setup_plan()  # in the fresh pools, made once for every child
+    plan = _setup_plan()  # in the fresh pools, made once for every child
+    if _spawn_lib() is not None:
+        _c_steps(plan)
     gc.freeze()  # what this process made goes out of the children's collector's way too
     # Once, after the collection (whose finalizers may close files): one thread, no user code.
     # The warm-up's at-fork handlers may still change fds: each child checks every entry.
@@ -466,11 +469,20 @@ def _spawn(agent, children, branch, fork):
     inherited = None if branch else STATE.get('inherited')  # (a branch child takes its own: _child_main)
     if STATE['pidns_fd'] is None:
         STATE['pidns_fd'] = os.open('/proc/self/ns/pid', os.O_RDONLY | os.O_CLOEXEC)
+    results = {}
+    if fork is _fork_child and not any(AT_FORK.values()) and not (inherited and inherited['shm']) and _spawn_lib() is not None:
+        pending = _fork_in_c(agent, children, inherited, results)
+    else:
+        pending = _fork_in_python(agent, children, branch, fork, inherited, results)
+    return _wait_ready(pending, results, children)
+
+
+def _fork_in_python(agent, children, branch, fork, inherited, results):
+    """Forks each child in turn (fork: os.fork, or _fork_child); returns [(child, pid, ready pipe, t0)]."""
     # What this process runs between two forks, and after the last, makes
     # its pages a copy of its own, so the child forked before keeps the
     # original alone (private memory): little Python here, none of it new.
     pending = []
-    results = {}
     failed = None  # a fork failed (EAGAIN: pids limit, ENOMEM): it and the rest fail, the forked ones go on
     for ch in children:
         if failed is not None:
@@ -497,9 +509,93 @@ def _spawn(agent, children, branch, fork):
         else:
             for _, _, other_r, _ in pending:  # earlier siblings' ready pipes are not ours to read
                 os.close(other_r)
-            _child_main(agent, ch, r, w, branch, inherited)  # never returns
+            os.close(r)
+            _child_main(agent, ch, w, branch, inherited)  # never returns
         os.close(w)
         pending.append((ch, pid, r, t0))
+    return pending
+
+
+class _Libc(ctypes.Structure):  # struct fs_libc
+    _fields_ = [(n, ctypes.c_void_p) for n in ('fork', 'unshare', 'setns', 'pipe2', 'close', 'socket', 'ioctl', 'errno_location')]
+
+
+class _Step(ctypes.Structure):  # struct fs_step
+    _fields_ = [('kind', ctypes.c_long), ('fn', ctypes.c_void_p), ('args', ctypes.c_long * 5)]
+
+
+class _Child(ctypes.Structure):  # struct fs_child
+    _fields_ = [('hostname', ctypes.c_char_p), ('hostname_len', ctypes.c_long)] + [
+        (n, ctypes.c_int) for n in ('pid', 'ready_r', 'ready_w', 'keep_fd', 'step_failed', 'err')]
+
+
+SPAWN_VERSION = 1  # forkling_spawn.c's FS_VERSION: the structures above match its own
+_SPAWN = {}  # 'lib': fs_spawn (or None: not built), 'libc': a _Libc
+
+
+def _spawn_lib():
+    """forkling_spawn.c's fs_spawn, built next to this file (native/build.mjs), or None."""
+    if 'lib' not in _SPAWN:
+        _SPAWN['lib'] = None
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'forkling_spawn.so')
+        try:
+            lib = ctypes.PyDLL(path)  # (PyDLL: the GIL stays held across fork(), as in os.fork())
+            if lib.fs_version() != SPAWN_VERSION:
+                raise OSError('%s is version %d, not %d: rebuild it (npm run build:native)' % (path, lib.fs_version(), SPAWN_VERSION))
+        except (OSError, AttributeError) as e:
+            _agent_mod.log('forks are set up in Python (each costs more memory): %s' % e)
+            return None
+        fn = lib.fs_spawn
+        fn.restype = ctypes.c_int
+        fn.argtypes = (ctypes.POINTER(_Libc), ctypes.c_int, ctypes.POINTER(_Child), ctypes.c_int, ctypes.POINTER(_Step), ctypes.c_int)
+        _SPAWN['libc'] = _Libc(*[ctypes.cast(_libc[n], ctypes.c_void_p).value
+                                 for n in ('fork', 'unshare', 'setns', 'pipe2', 'close', 'socket', 'ioctl', '__errno_location')])
+        _SPAWN['lib'] = fn
+    return _SPAWN['lib']
+
+
+def _c_steps(plan):
+    """The plan as struct fs_step[] (made once per plan; the plan keeps the byte strings it points to)."""
+    if 'c_steps' not in plan:
+        steps = plan['before_layer'] + plan['after_layer'] + plan['pivot']
+        arr = (_Step * len(steps))()
+        for i, (kind, addr, args, _) in enumerate(steps):
+            arr[i].kind = kind
+            arr[i].fn = addr
+            for j, a in enumerate(args):
+                arr[i].args[j] = ctypes.cast(ctypes.c_char_p(a), ctypes.c_void_p).value if isinstance(a, bytes) else (a or 0)
+        plan['c_steps'] = (arr, steps)
+    return plan['c_steps']
+
+
+def _fork_in_c(agent, children, inherited, results):
+    """The fork server's children, forked and set up by forkling_spawn.c: no
+    Python runs between two forks nor in a child before its set-up is done."""
+    arr, steps = _c_steps(STATE['plan'])
+    names = [ch['hostname'].encode() for ch in children]
+    kids = (_Child * len(children))()
+    for k, name in zip(kids, names):
+        k.hostname, k.hostname_len = name, len(name)
+    t0 = time.perf_counter()
+    i = _SPAWN['lib'](ctypes.byref(_SPAWN['libc']), STATE['pidns_fd'], kids, len(children), arr, len(steps))
+    if i >= 0:  # child i: set up (or failed at a step), holding only its own ready pipe
+        k = kids[i]
+        done = (_step_error(steps[k.step_failed], k.err) if k.step_failed >= 0 else None, k.keep_fd)
+        _child_main(agent, children[i], k.ready_w, False, inherited, done)  # never returns
+    pending = []
+    failed = None
+    for ch, k in zip(children, kids):
+        if k.pid > 0:
+            pending.append((ch, k.pid, k.ready_r, t0))
+        elif k.pid < 0:  # (EAGAIN at the pids limit, ENOMEM, EMFILE): it and the rest fail, the forked ones go on
+            failed = 'fork: %s' % os.strerror(-k.pid)
+            results[ch['id']] = {'id': ch['id'], 'ok': False, 'error': failed}
+        else:
+            results[ch['id']] = {'id': ch['id'], 'ok': False, 'error': 'not forked: %s' % failed}
+    return pending
+
+
+def _wait_ready(pending, results, children):
     # Wait until every child listens (or fails): a byte string on its pipe, then EOF.
     poller = select.poll()
     waiting = {}
@@ -546,8 +642,9 @@ def _kill(pid):
         pass
 
 
-def _child_main(agent, ch, r, w, branch, inherited):
-    """In the new child (PID 1 of its pid namespace): set up, listen, serve."""
+def _child_main(agent, ch, w, branch, inherited, done=None):
+    """In the new child (PID 1 of its pid namespace): set up (unless done, in
+    C: (error or None, fd of the new upper)), listen, say ok on w, serve."""
     global _lock
     server_sock, STATE['in_server'] = STATE['in_server'], None
     if server_sock is not None:  # forked by the fork server, which reset the agent already
@@ -559,10 +656,16 @@ def _child_main(agent, ch, r, w, branch, inherited):
         if fd is not None:
             os.close(fd)
     try:
-        os.close(r)
         if branch:  # here, in the copy, before its own namespaces: exactly what it has, whatever the source's threads did since
             inherited = forkling_inherit.inherited(_own_fds(agent) | {w}, _output_keys(agent), _console_fds(agent))
-        _setup_child(ch, branch, inherited)
+        STATE['setup'] = 'python' if done is None else 'c'
+        if done is None:
+            new_upper = _setup_child(ch, branch, inherited)
+        elif done[0] is not None:
+            raise done[0]
+        else:
+            new_upper = done[1]
+        _after_setup(ch, new_upper, inherited)
         _rebuild_agent(agent, ch, reset=server_sock is None, inherited=inherited)
         _listen(agent, RUN + '/agent.sock')
         os.write(w, b'ok')
@@ -615,24 +718,27 @@ def _close_lifeline():
             pass
 
 
+# A set-up step is (kind, libc function's address, arguments, what): the call fails when
+# it returns < 0, and errno says why. Run by _run_steps here (a branch), or by
+# forkling_spawn.c (the fork server's children): one plan, the same calls.
+STEP_CALL, STEP_HOSTNAME, STEP_LO_UP, STEP_KEEP_FD = 0, 1, 2, 3  # (as in forkling_spawn.c)
+_STEP_FN = ctypes.CFUNCTYPE(ctypes.c_int, *([ctypes.c_void_p] * 5), use_errno=True)  # (every step returns an int)
+
+
+def _step(name, *args, what=None, kind=STEP_CALL):
+    return (kind, ctypes.cast(_libc[name], ctypes.c_void_p).value, args, what or '%s %s' % (name, args[0].decode() if args and isinstance(args[0], bytes) else ''))
+
+
 def _setup_plan():
-    """The child's namespace and mount set-up as calls with their arguments,
-    made once per process (the fork server, or a sandbox at its first
-    branch): a child then runs a loop of system calls, not the Python that
-    builds their arguments (fewer objects touched, fewer pages copied).
-    Steps are (function, args, what): os functions raise; libc ones return
-    non-zero on failure. One step is the child's own (its host name): see _setup_child."""
+    """The child's namespace and mount set-up as libc calls with their
+    arguments, made once per process (the fork server, or a sandbox at its
+    first branch): a child then runs a loop of system calls, not the Python
+    that builds their arguments (fewer objects touched, fewer pages copied).
+    Sections: before_layer, (a branch copies its source's upper here),
+    after_layer (with the child's host name), (a copy of /dev/shm, where the
+    warm-up left files in it), pivot (which keeps an fd of the new upper)."""
     if STATE['plan'] is not None:
         return STATE['plan']
-    C = ctypes
-    libc_mount = _libc['mount']
-    libc_mount.argtypes = (C.c_char_p, C.c_char_p, C.c_char_p, C.c_ulong, C.c_char_p)
-    libc_unshare = _libc['unshare']
-    libc_unshare.argtypes = (C.c_int,)
-    libc_umount2 = _libc['umount2']
-    libc_umount2.argtypes = (C.c_char_p, C.c_int)
-    libc_syscall = _libc['syscall']
-    libc_syscall.argtypes = (C.c_long, C.c_char_p, C.c_char_p)
     # A source sandbox has no SCRATCH until its first branch: made here, every child's copy of our mounts has it.
     os.makedirs(SCRATCH, exist_ok=True)
     scratch = SCRATCH.encode()
@@ -650,57 +756,54 @@ def _setup_plan():
     before_layer = [
         # A session of its own: kill(0, SIGKILL) in its parent's process group would reach
         # the zygote, the fork server and every sibling (a process group ignores pid namespaces).
-        (os.setsid, (), None),
-        (libc_unshare, (CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS,), 'unshare'),
-        (libc_mount, (None, b'/', None, MS_REC | MS_PRIVATE, None), 'mount --make-rprivate /'),
-        (libc_mount, (b'tmpfs', scratch, b'tmpfs', MS_NOSUID | MS_NODEV, b'mode=0755'), 'mount tmpfs on ' + SCRATCH),
-        (os.mkdir, (upper, 0o755), None),
-        (os.mkdir, (work, 0o755), None),
-        (os.mkdir, (root, 0o755), None),
+        _step('setsid'),
+        _step('unshare', CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS),
+        _step('mount', None, b'/', None, MS_REC | MS_PRIVATE, None, what='mount --make-rprivate /'),
+        _step('mount', b'tmpfs', scratch, b'tmpfs', MS_NOSUID | MS_NODEV, b'mode=0755', what='mount tmpfs on ' + SCRATCH),
+        _step('mkdir', upper, 0o755),
+        _step('mkdir', work, 0o755),
+        _step('mkdir', root, 0o755),
     ]
     # By path, not through a directory fd: overlay clones its lower mount, which must
     # be in this mount namespace (an fd still names the parent's).
     after_layer = [
-        (libc_mount, (b'overlay', root, b'overlay', MS_NOSUID | MS_NODEV,
-                      b'lowerdir=%s,upperdir=%s,workdir=%s,userxattr' % (base, upper, work)), 'mount the overlay root'),
-        (libc_mount, (b'tmpfs', root + b'/run', b'tmpfs', MS_NOSUID | MS_NODEV | MS_NOEXEC, b'mode=0755,size=16m'), 'mount /run'),
-        (os.mkdir, (root + RUN.encode(), 0o755), None),
-        (os.mkdir, (root + LAYERS.encode(), 0o755), None),
-        (os.mkdir, (root + SCRATCH.encode(), 0o755), None),
-        (os.mkdir, (root + BASE.encode(), 0o755), None),
+        _step('mount', b'overlay', root, b'overlay', MS_NOSUID | MS_NODEV,
+              b'lowerdir=%s,upperdir=%s,workdir=%s,userxattr' % (base, upper, work), what='mount the overlay root'),
+        _step('mount', b'tmpfs', root + b'/run', b'tmpfs', MS_NOSUID | MS_NODEV | MS_NOEXEC, b'mode=0755,size=16m', what='mount /run'),
+        _step('mkdir', root + RUN.encode(), 0o755),
+        _step('mkdir', root + LAYERS.encode(), 0o755),
+        _step('mkdir', root + SCRATCH.encode(), 0o755),
+        _step('mkdir', root + BASE.encode(), 0o755),
         # read-only: what this sandbox's branches build on
-        (libc_mount, (base, root + BASE.encode(), None, MS_BIND, None), 'bind the base'),
-        (libc_mount, (b'proc', root + b'/proc', b'proc', MS_NOSUID | MS_NODEV | MS_NOEXEC, None), 'mount /proc'),
-        (libc_mount, (b'tmpfs', dev, b'tmpfs', MS_NOSUID | MS_NOEXEC, b'mode=0755,size=64k'), 'mount /dev'),
+        _step('mount', base, root + BASE.encode(), None, MS_BIND, None, what='bind the base'),
+        _step('mount', b'proc', root + b'/proc', b'proc', MS_NOSUID | MS_NODEV | MS_NOEXEC, None, what='mount /proc'),
+        _step('mount', b'tmpfs', dev, b'tmpfs', MS_NOSUID | MS_NOEXEC, b'mode=0755,size=64k', what='mount /dev'),
     ]
     for name in (b'null', b'zero', b'full', b'random', b'urandom', b'tty'):
-        after_layer.append((os.mknod, (dev + b'/' + name, stat.S_IFREG | 0o666), None))
-        after_layer.append((libc_mount, (b'/dev/' + name, dev + b'/' + name, None, MS_BIND, None), 'bind /dev/' + name.decode()))
+        after_layer.append(_step('mknod', dev + b'/' + name, stat.S_IFREG | 0o666, 0))
+        after_layer.append(_step('mount', b'/dev/' + name, dev + b'/' + name, None, MS_BIND, None, what='bind /dev/' + name.decode()))
     after_layer += [
-        (os.mkdir, (dev + b'/pts', 0o755), None),
-        (libc_mount, (b'devpts', dev + b'/pts', b'devpts', MS_NOSUID | MS_NOEXEC, b'newinstance,ptmxmode=0666,mode=0620'), 'mount /dev/pts'),
-        (os.mkdir, (dev + b'/shm', 0o755), None),
-        (libc_mount, (b'tmpfs', dev + b'/shm', b'tmpfs', MS_NOSUID | MS_NODEV, b'mode=1777'), 'mount /dev/shm'),
+        _step('mkdir', dev + b'/pts', 0o755),
+        _step('mount', b'devpts', dev + b'/pts', b'devpts', MS_NOSUID | MS_NOEXEC, b'newinstance,ptmxmode=0666,mode=0620', what='mount /dev/pts'),
+        _step('mkdir', dev + b'/shm', 0o755),
+        _step('mount', b'tmpfs', dev + b'/shm', b'tmpfs', MS_NOSUID | MS_NODEV, b'mode=1777', what='mount /dev/shm'),
     ]
     for target, link in ((b'pts/ptmx', b'ptmx'), (b'/proc/self/fd', b'fd'), (b'/proc/self/fd/0', b'stdin'),
                          (b'/proc/self/fd/1', b'stdout'), (b'/proc/self/fd/2', b'stderr')):
-        after_layer.append((os.symlink, (target, dev + b'/' + link), None))
+        after_layer.append(_step('symlink', target, dev + b'/' + link, what='symlink /dev/' + link.decode()))
     after_layer += [
-        (libc_mount, (b'tmpfs', root + b'/sys', b'tmpfs', MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, b'size=4k,mode=0555'), 'mount /sys'),
-        None,  # the child's host name
-        (_lo_up, (), None),
+        _step('mount', b'tmpfs', root + b'/sys', b'tmpfs', MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, b'size=4k,mode=0555', what='mount /sys'),
+        _step('sethostname', kind=STEP_HOSTNAME, what='sethostname'),
+        (STEP_LO_UP, None, (), 'lo up'),
     ]
     pivot = [
-        (os.chdir, (root,), None),
-        (libc_syscall, (SYS_PIVOT_ROOT, b'.', b'.'), 'pivot_root'),
-        (libc_umount2, (b'.', MNT_DETACH), 'umount the old root'),
-        (os.chdir, (b'/',), None),
+        _step('open', upper, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, kind=STEP_KEEP_FD),
+        _step('chdir', root),
+        _step('syscall', SYS_PIVOT_ROOT, b'.', b'.', what='pivot_root'),
+        _step('umount2', b'.', MNT_DETACH, what='umount the old root'),
+        _step('chdir', b'/'),
     ]
-    holes = [i for i, step in enumerate(after_layer) if step is None]
-    STATE['plan'] = plan = {
-        'before_layer': before_layer, 'after_layer': after_layer, 'pivot': pivot, 'upper': upper,
-        'root': root, 'host_step': holes[0],
-    }
+    STATE['plan'] = plan = {'before_layer': before_layer, 'after_layer': after_layer, 'pivot': pivot, 'root': root, 'upper': upper}
     return plan
 
 
@@ -720,26 +823,45 @@ def _lo_up():
         s.close()
 
 
-def _run_steps(steps):
-    for fn, args, what in steps:
-        if fn(*args):
-            e = ctypes.get_errno()
-            raise OSError(e, '%s: %s' % (what, os.strerror(e)))
+def _step_error(step, err):
+    return OSError(err, '%s: %s' % (step[3], os.strerror(err)))
+
+
+def _run_steps(steps, hostname):
+    """Runs steps in this process; returns what a STEP_KEEP_FD step returned (or None)."""
+    kept = None
+    for step in steps:
+        kind, addr, args, _ = step
+        if kind == STEP_LO_UP:
+            _lo_up()
+            continue
+        if kind == STEP_HOSTNAME:
+            args = (hostname, len(hostname))
+        rc = _STEP_FN(addr)(*args, *(None,) * (5 - len(args)))
+        if rc < 0:
+            raise _step_error(step, ctypes.get_errno())
+        if kind == STEP_KEEP_FD:
+            kept = rc
+    return kept
 
 
 def _setup_child(ch, branch, inherited):
+    """The child's set-up in Python (a branch; or a fork the fork server could not make in C):
+    returns an O_PATH fd of its new upper."""
     plan = _setup_plan()
-    _run_steps(plan['before_layer'])
+    hostname = ch['hostname'].encode()
+    _run_steps(plan['before_layer'], hostname)
     if branch:
         copy_tree('/proc/self/fd/%d' % STATE['upper_fd'] if STATE['upper_fd'] is not None else LAYERS + '/upper',
                   plan['upper'].decode())
-    steps = plan['after_layer'][:]
-    steps[plan['host_step']] = (socket.sethostname, (ch['hostname'],), None)
-    _run_steps(steps)
+    _run_steps(plan['after_layer'], hostname)
     if inherited is not None and inherited['shm']:
         copy_tree('/dev/shm', plan['root'].decode() + '/dev/shm')  # the parent's, still reachable here
-    new_upper = os.open(plan['upper'], os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-    _run_steps(plan['pivot'])
+    return _run_steps(plan['pivot'], hostname)
+
+
+def _after_setup(ch, new_upper, inherited):
+    """In the child, after its set-up (in Python or in C): its new root is /."""
     if inherited is not None:
         forkling_inherit.rehome(inherited, _agent_mod.log)
     if STATE['upper_fd'] is not None:

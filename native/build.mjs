@@ -2,7 +2,7 @@
 // Builds the native addon with node-gyp. Checks the toolchain first so that a
 // missing compiler or header gives one clear message instead of a gyp trace.
 import { spawnSync } from 'node:child_process';
-import { existsSync, mkdirSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdirSync, readFileSync, renameSync, rmSync, writeFileSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 
@@ -68,3 +68,23 @@ const r = spawnSync(process.execPath, [gyp, 'rebuild', `--nodedir=${nodedir}`, '
   stdio: 'inherit',
 });
 if (r.status !== 0) fail(`node-gyp exited with status ${r.status}; the compiler output is above.`);
+
+// The process engine's fork helper (guest-agent/forkling_spawn.c), loaded by
+// the fork server inside sandboxes: freestanding (no libc linked), so it
+// loads into any image. Written next to its source, which the engine binds
+// into every zygote; renamed into place (a running zygote may have it mapped).
+const spawnSrc = join(root, 'guest-agent', 'forkling_spawn.c');
+const spawnSo = join(root, 'guest-agent', 'forkling_spawn.so');
+const tmpSo = `${spawnSo}.${process.pid}.tmp`;
+const cc = have('cc') ? ['cc'] : ['g++', '-x', 'c'];
+const c = spawnSync(
+  cc[0],
+  [...cc.slice(1), '-std=gnu11', '-O2', '-Wall', '-Wextra', '-Werror', '-shared', '-fPIC', '-nostdlib', '-ffreestanding',
+    '-fno-builtin', '-fno-stack-protector', '-fno-tree-loop-distribute-patterns', '-o', tmpSo, spawnSrc],
+  { stdio: 'inherit' },
+);
+if (c.status !== 0) {
+  rmSync(tmpSo, { force: true });
+  fail(`compiling ${spawnSrc} failed (status ${c.status}); the compiler output is above.`);
+}
+renameSync(tmpSo, spawnSo);

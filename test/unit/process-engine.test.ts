@@ -110,6 +110,8 @@ test('a child inherits the warm-up state and is PID 1 of its own namespaces', as
   const v = (await val(c!.agent, '(WARM["answer"], os.getpid(), socket.gethostname(), os.environ.get("FORKLING_PROCESS_ROLE"), open("/tmp/warm-file").read())')) as unknown[];
   assert.equal(v, [42, 1, c!.id, 'sandbox', 'from the warm-up']);
   assert.ok(c!.timings.readyAt >= c!.timings.startedAt);
+  // forked and set up by guest-agent/forkling_spawn.c (fewer pages copied), not by the Python fallback
+  assert.is(await val(c!.agent, 'import sys; sys.modules["forkling_zygote"].STATE["setup"]'), 'c');
   await c!.kill();
 });
 

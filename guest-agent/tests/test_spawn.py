@@ -1,0 +1,136 @@
+"""forkling_spawn.c, the fork server's fork loop and child set-up in C,
+driven with forkling_zygote's own structures and plan steps: each child is
+PID 1 of a new pid namespace, runs the steps (its own host name, lo up, a
+kept fd), holds only its own ready pipe, and a failing step is reported with
+its index and errno. Needs root (new pid, uts and network namespaces) and
+the built library (npm run build:native)."""
+
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import socket
+import stat
+import struct
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import forkling_zygote as z  # noqa: E402
+
+SO = os.path.join(os.path.dirname(HERE), 'forkling_spawn.so')
+
+
+class _Log:
+    @staticmethod
+    def log(msg):
+        raise AssertionError(msg)
+
+
+def _pipes(skip=()):
+    """{(device, inode)} of the pipes among this process's fds, but those in skip."""
+    out = set()
+    for fd in map(int, os.listdir('/proc/self/fd')):
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            continue  # (the listing's own fd)
+        if stat.S_ISFIFO(st.st_mode) and fd not in skip:
+            out.add((st.st_dev, st.st_ino))
+    return out
+
+
+def _report(kids, i, extra, had):
+    """In child i: what it sees, as JSON on its ready pipe; then it exits."""
+    k = kids[i]
+    try:
+        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        flags = struct.unpack('16sH22x', fcntl.ioctl(s.fileno(), 0x8913, struct.pack('16s24x', b'lo')))[1]
+        s.close()
+        pipes = len(_pipes({k.ready_w}) - had)  # new since the spawn, but its own ready pipe
+        msg = {'i': i, 'pid': os.getpid(), 'host': socket.gethostname(), 'lo_up': bool(flags & 1),
+               'failed': k.step_failed, 'err': k.err, 'keep_fd': k.keep_fd, 'other_pipes': pipes}
+        if k.keep_fd >= 0:
+            msg['kept_is_dir'] = os.path.samestat(os.fstat(k.keep_fd), os.stat(extra))
+        os.write(k.ready_w, json.dumps(msg).encode())
+    finally:
+        os._exit(0)
+
+
+@unittest.skipUnless(os.geteuid() == 0, 'needs root: new pid, uts and network namespaces')
+class SpawnTest(unittest.TestCase):
+    def setUp(self):
+        z._agent_mod = _Log
+        z._SPAWN.clear()
+        self.assertTrue(os.path.exists(SO), '%s is not built: run npm run build:native' % SO)
+        self.assertIsNotNone(z._spawn_lib())
+        self.tmp = tempfile.mkdtemp()
+        self.pidns = os.open('/proc/self/ns/pid', os.O_RDONLY | os.O_CLOEXEC)
+        self.addCleanup(os.close, self.pidns)
+        self.addCleanup(os.rmdir, self.tmp)
+
+    def spawn(self, names, steps):
+        plan = {'before_layer': steps, 'after_layer': [], 'pivot': []}
+        arr, flat = z._c_steps(plan)
+        kids = (z._Child * len(names))()
+        encoded = [n.encode() for n in names]
+        for k, n in zip(kids, encoded):
+            k.hostname, k.hostname_len = n, len(n)
+        had = _pipes()
+        i = z._SPAWN['lib'](ctypes.byref(z._SPAWN['libc']), self.pidns, kids, len(names), arr, len(flat))
+        if i >= 0:
+            _report(kids, i, self.tmp, had)  # never returns
+        out = []
+        for k in kids:
+            self.assertGreater(k.pid, 0)
+            data = b''
+            while True:
+                chunk = os.read(k.ready_r, 4096)
+                if not chunk:
+                    break
+                data += chunk
+            os.close(k.ready_r)
+            os.waitpid(k.pid, 0)
+            out.append(json.loads(data))
+        return kids, out
+
+    def test_children_set_up_in_c(self):
+        steps = [
+            z._step('unshare', z.CLONE_NEWUTS | z.CLONE_NEWNET),
+            z._step('sethostname', kind=z.STEP_HOSTNAME, what='sethostname'),
+            (z.STEP_LO_UP, None, (), 'lo up'),
+            z._step('open', self.tmp.encode(), os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, kind=z.STEP_KEEP_FD),
+        ]
+        kids, out = self.spawn(['alpha', 'beta', 'gamma'], steps)
+        self.assertEqual(len({k.pid for k in kids}), 3)
+        self.assertEqual([o['i'] for o in out], [0, 1, 2])
+        for name, o in zip(['alpha', 'beta', 'gamma'], out):
+            self.assertEqual(o['pid'], 1, 'PID 1 of a new pid namespace')
+            self.assertEqual(o['host'], name)
+            self.assertTrue(o['lo_up'])
+            self.assertEqual(o['failed'], -1)
+            self.assertTrue(o['kept_is_dir'])
+            self.assertEqual(o['other_pipes'], 0, 'a child holds pipes of its siblings or its parent')
+        self.assertNotIn(socket.gethostname(), ['alpha', 'beta', 'gamma'])
+        self.assertNotEqual(os.getpid(), 1)  # the caller's pid namespace is back
+
+    def test_failed_step_is_reported(self):
+        steps = [
+            z._step('unshare', z.CLONE_NEWUTS),
+            z._step('mkdir', self.tmp.encode(), 0o755),  # exists: EEXIST
+            z._step('sethostname', kind=z.STEP_HOSTNAME, what='sethostname'),
+        ]
+        _, out = self.spawn(['one', 'two'], steps)
+        for o in out:
+            self.assertEqual((o['failed'], o['err']), (1, errno.EEXIST))
+            self.assertNotIn(o['host'], ('one', 'two'), 'steps after the failed one ran')
+        e = z._step_error(steps[1], errno.EEXIST)
+        self.assertIn('mkdir %s' % self.tmp, str(e))
+
+
+if __name__ == '__main__':
+    unittest.main()
