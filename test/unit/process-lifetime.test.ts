@@ -26,6 +26,22 @@ function running(pid: number): boolean {
   }
 }
 
+test('a script that kills its sandboxes and closes the engine runs to its end, and Node then exits by itself', async () => {
+  // (the exit watches do not hold the event loop: a kill awaited with nothing else pending let
+  // Node end the script half way, and an exit seen during Node's teardown aborted it)
+  const child = spawn(join(root, 'node_modules', '.bin', 'tsx'), [join(root, 'test', 'unit', 'process-lifetime-child.ts')], {
+    cwd: root,
+    env: { ...process.env, FORKLING_TEST_MODE: 'end' },
+    stdio: ['ignore', 'pipe', 'pipe'],
+  });
+  let out = '';
+  child.stdout.on('data', (d) => (out += d));
+  child.stderr.on('data', (d) => (out += d));
+  const code = await new Promise((r) => child.once('exit', (c, sig) => r(c ?? sig)));
+  assert.is(code, 0, out);
+  assert.ok(out.includes('ended'), out);
+});
+
 test('kill -9 of the host takes every sandbox with it', async () => {
   const child = spawn(join(root, 'node_modules', '.bin', 'tsx'), [join(root, 'test', 'unit', 'process-lifetime-child.ts')], {
     cwd: root,

@@ -319,7 +319,7 @@ class ProcessSandbox implements Sandbox {
     this.agent.close();
     // Its cgroup can go once its PID 1 has exited (the kernel has then reaped the rest of its
     // namespace): waited for on a pidfd rather than trying rmdir until it works (~2.5 tries each).
-    await Promise.race([this.proc.exited, new Promise((r) => setTimeout(r, EXIT_WAIT_MS).unref())]);
+    await this.proc.exitedWithin(EXIT_WAIT_MS);
     const cleanup = await this.cleanup();
     this.owner.forget(this);
     if (cleanup.length) info.message = `${info.message ? `${info.message}; ` : ''}cleanup: ${cleanup.join('; ')}`;
@@ -371,8 +371,7 @@ class ProcessSandbox implements Sandbox {
       void this.cleanup()
         .then(async (errors) => {
           // A task leaves its cgroup before it is done exiting: wait until it is (a zombie, or reaped).
-          const exited = await Promise.race([this.proc.exited.then(() => true), new Promise<boolean>((r) => setTimeout(() => r(false), 5000))]);
-          if (!exited) {
+          if (!(await this.proc.exitedWithin(5000))) {
             errors.push(`sandbox ${this.id}: its PID 1 (host pid ${this.hostPid}) did not exit within 5 s of SIGKILL`);
           }
           return errors;
@@ -589,10 +588,7 @@ export class ProcessEngine implements Engine {
 
   private async destroyRoot(root: Root): Promise<void> {
     root.proc.signal('SIGKILL');
-    // The pid watch does not hold the event loop; this timer does, while we wait (and bounds the wait).
-    let timer: ReturnType<typeof setTimeout> | undefined;
-    await Promise.race([root.proc.exited, new Promise((r) => (timer = setTimeout(r, 10000)))]);
-    clearTimeout(timer);
+    await root.proc.exitedWithin(10000);
     if (root.lifeline >= 0) {
       closeSync(root.lifeline);
       root.lifeline = -1;

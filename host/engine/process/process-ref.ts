@@ -40,6 +40,20 @@ export class ProcessRef {
     return this.watched;
   }
 
+  /**
+   * Resolves true once the process has exited, false after `ms`. Holds the
+   * event loop meanwhile (the exit watch does not): a script that awaits a
+   * kill is not ended by Node with its work half done.
+   */
+  async exitedWithin(ms: number): Promise<boolean> {
+    let timer: ReturnType<typeof setTimeout> | undefined;
+    try {
+      return await Promise.race([this.exited.then(() => true), new Promise<boolean>((r) => (timer = setTimeout(() => r(false), ms)))]);
+    } finally {
+      clearTimeout(timer);
+    }
+  }
+
   /** Has not exited (as far as the event loop has seen). */
   get alive(): boolean {
     return !this.gone && this.fd >= 0;

@@ -729,7 +729,11 @@ void OnPidfd(uv_poll_t* handle, int status, int events) {
   // (r < 0, ECHILD: not our child; its pidfd is readable, so it has exited)
   uv_poll_stop(handle);
   Napi::Env env(w->env);
-  {
+  // Nothing may be thrown out of a libuv callback (std::terminate). The exit
+  // can also come while Node tears its environment down at the end of the
+  // process (its last loop run), when no JavaScript can run: then there is
+  // nobody left to tell.
+  try {
     Napi::HandleScope scope(env);
     Napi::Object result = Napi::Object::New(env);
     bool exited = r == 0 && si.si_code == CLD_EXITED;
@@ -738,6 +742,9 @@ void OnPidfd(uv_poll_t* handle, int status, int events) {
     result.Set("signal", killed ? Napi::Number::New(env, si.si_status) : env.Null());
     Napi::CallbackScope cs(env, *w->context);  // runs the microtasks the callback queues
     w->callback.Call({result});
+  } catch (const Napi::Error& e) {
+    // A callback that threw (the engine's own do not): reported as Node reports an uncaught exception.
+    if (!e.Message().empty()) napi_fatal_exception(env, e.Value());
   }
   uv_close(reinterpret_cast<uv_handle_t*>(handle), [](uv_handle_t* h) {
     auto* w = static_cast<PidWatch*>(h->data);
