@@ -415,6 +415,23 @@ test('a fork server that dies in the middle of a request leaves no child behind;
   });
 });
 
+test('a fork server that died while idle (killed for memory, say) is replaced at the next request, which succeeds', async () => {
+  const zygote = engine.zygotePid(TEMPLATE)!;
+  const [a] = await engine.fork(TEMPLATE, 1);
+  const server = childrenOf(zygote).find((p) => alive(p) && !pidOneOwnNs(p));
+  assert.ok(server, 'the fork server');
+  process.kill(server!, 'SIGKILL');
+  await pollUntil(() => !alive(server!), 5000);
+  // (without the zygote's check, this request went to the dead server's socket and failed)
+  const [b] = await engine.fork(TEMPLATE, 1);
+  assert.is(await val(b!.agent, 'WARM["answer"]'), 42);
+  assert.is(await val(a!.agent, '6 * 7'), 42, 'a child handed out before lives on');
+  const next = childrenOf(zygote).find((p) => alive(p) && !pidOneOwnNs(p));
+  assert.ok(next !== undefined && next !== server, 'a new fork server');
+  await a!.kill();
+  await b!.kill();
+});
+
 test('BRANCH to depth 3: each level sees every variable above it; sources keep running', async () => {
   const [root] = await engine.fork(TEMPLATE, 1);
   // a file of the image deleted in the source (an overlay whiteout) stays deleted in its branches
