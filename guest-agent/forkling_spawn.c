@@ -15,16 +15,18 @@
  */
 
 /* Checked by the caller against its own copy of the structures below. */
-#define FS_VERSION 1
+#define FS_VERSION 2
 int fs_version(void) { return FS_VERSION; }
 
 /* Every function called returns an int (pid_t, or 0 / -1): read as a long,
  * the upper half of the register would be whatever the callee left there. */
 typedef int (*fn_t)(long, long, long, long, long, long);
 
+struct timespec_ { long sec, nsec; };
+
 /* The libc functions, filled in by the caller (ctypes addresses). */
 struct fs_libc {
-  fn_t fork, unshare, setns, pipe2, close, socket, ioctl;
+  fn_t fork, unshare, setns, pipe2, close, socket, ioctl, clock_gettime;
   int *(*errno_location)(void);
 };
 
@@ -36,18 +38,32 @@ struct fs_step {
   long args[5];
 };
 
+/* What failed in the parent (fs_child.failed_call). */
+enum { CALL_NONE = 0, CALL_PIPE2 = 1, CALL_UNSHARE = 2, CALL_FORK = 3, CALL_SETNS = 4 };
+
 struct fs_child {
   const char *hostname;
   long hostname_len;
-  int pid;          /* out: in the parent, the child's pid (or -errno) */
+  long start_ns;    /* out: CLOCK_MONOTONIC when its fork began */
+  int pid;          /* out: in the parent, the child's pid (0: not forked) */
   int ready_r;      /* out: in the parent, the read end of its ready pipe */
   int ready_w;      /* out: in the child, the write end */
   int keep_fd;      /* out: in the child, what its STEP_KEEP_FD step returned */
   int step_failed;  /* out: in a child, the step that failed (-1: none) */
-  int err;          /* out: its errno */
+  int failed_call;  /* out: in the parent, CALL_* that failed for this child */
+  int err;          /* out: the errno of either */
 };
 
+/* sizeof of each structure, for the caller's check of its copies. */
+void fs_sizes(long out[4]) {
+  out[0] = sizeof(struct fs_libc);
+  out[1] = sizeof(struct fs_step);
+  out[2] = sizeof(struct fs_child);
+  out[3] = 0;
+}
+
 #define CLONE_NEWPID 0x20000000
+#define CLOCK_MONOTONIC 1
 #define O_CLOEXEC 02000000
 
 #define AF_INET 2
@@ -100,24 +116,32 @@ static int run_steps(const struct fs_libc *c, const struct fs_step *steps, int n
 }
 
 /* Forks children[0..n), each PID 1 of a new pid namespace (unshare before
- * the fork, setns back to pidns_fd after it). Returns -1 in the parent
- * (children[i].pid is each one's pid, or -errno where fork failed: the rest
- * were not forked) and i in child i, which has run its steps (see
- * children[i].step_failed) and holds only its own ready pipe's write end. */
+ * the fork, setns back to pidns_fd after it). Returns, in child i: i, once
+ * it has run its steps (see children[i].step_failed), holding only its own
+ * ready pipe's write end. In the parent: -1 when every child was forked, or
+ * one failed (children[i].failed_call and err; the rest were not forked);
+ * -2 when setns back failed (children[i] was forked): later forks would land
+ * in that child's namespace, so the caller must stop forking. */
 int fs_spawn(const struct fs_libc *c, int pidns_fd, struct fs_child *children, int n,
              const struct fs_step *steps, int nsteps) {
   for (int i = 0; i < n; i++) {
     struct fs_child *ch = &children[i];
+    struct timespec_ ts = {0, 0};
     int fds[2];
     ch->pid = 0;
     ch->ready_r = ch->ready_w = ch->keep_fd = -1;
     ch->step_failed = -1;
+    ch->failed_call = CALL_NONE;
+    c->clock_gettime(CLOCK_MONOTONIC, (long)&ts, 0, 0, 0, 0);
+    ch->start_ns = ts.sec * 1000000000L + ts.nsec;
     if (c->pipe2((long)fds, O_CLOEXEC, 0, 0, 0, 0) < 0) {
-      ch->pid = -*c->errno_location();
+      ch->failed_call = CALL_PIPE2;
+      ch->err = *c->errno_location();
       return -1;
     }
     if (c->unshare(CLONE_NEWPID, 0, 0, 0, 0, 0) < 0) {
-      ch->pid = -*c->errno_location();
+      ch->failed_call = CALL_UNSHARE;
+      ch->err = *c->errno_location();
       c->close(fds[0], 0, 0, 0, 0, 0);
       c->close(fds[1], 0, 0, 0, 0, 0);
       return -1;
@@ -131,15 +155,23 @@ int fs_spawn(const struct fs_libc *c, int pidns_fd, struct fs_child *children, i
       return i;
     }
     int err = pid < 0 ? *c->errno_location() : 0;
-    c->setns(pidns_fd, CLONE_NEWPID, 0, 0, 0, 0);
+    int back = c->setns(pidns_fd, CLONE_NEWPID, 0, 0, 0, 0);
+    int back_err = back < 0 ? *c->errno_location() : 0;
     c->close(fds[1], 0, 0, 0, 0, 0);
     if (pid < 0) {
       c->close(fds[0], 0, 0, 0, 0, 0);
-      ch->pid = -err;
-      return -1;
+      ch->failed_call = CALL_FORK;
+      ch->err = err;
+    } else {
+      ch->pid = pid;
+      ch->ready_r = fds[0];
     }
-    ch->pid = pid;
-    ch->ready_r = fds[0];
+    if (back < 0) {
+      ch->failed_call = CALL_SETNS;
+      ch->err = back_err;
+      return -2;
+    }
+    if (pid < 0) return -1;
   }
   return -1;
 }

@@ -57,6 +57,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
 MNT_DETACH = 2
 SYS_PIVOT_ROOT = 155
+SYS_MKNOD = 133
 
 LAYERS = '/run/forkling-layers'
 SCRATCH = LAYERS + '/scratch'
@@ -489,7 +490,7 @@ def _fork_in_python(agent, children, branch, fork, inherited, results):
             results[ch['id']] = {'id': ch['id'], 'ok': False, 'error': 'not forked: %s' % failed}
             continue
         r, w = os.pipe()
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         # The next child is PID 1 of a new pid namespace; undone right after the fork.
         try:
             unshare(CLONE_NEWPID)
@@ -516,8 +517,11 @@ def _fork_in_python(agent, children, branch, fork, inherited, results):
     return pending
 
 
+_LIBC_FNS = ('fork', 'unshare', 'setns', 'pipe2', 'close', 'socket', 'ioctl', 'clock_gettime', '__errno_location')
+
+
 class _Libc(ctypes.Structure):  # struct fs_libc
-    _fields_ = [(n, ctypes.c_void_p) for n in ('fork', 'unshare', 'setns', 'pipe2', 'close', 'socket', 'ioctl', 'errno_location')]
+    _fields_ = [(n, ctypes.c_void_p) for n in _LIBC_FNS]
 
 
 class _Step(ctypes.Structure):  # struct fs_step
@@ -525,11 +529,12 @@ class _Step(ctypes.Structure):  # struct fs_step
 
 
 class _Child(ctypes.Structure):  # struct fs_child
-    _fields_ = [('hostname', ctypes.c_char_p), ('hostname_len', ctypes.c_long)] + [
-        (n, ctypes.c_int) for n in ('pid', 'ready_r', 'ready_w', 'keep_fd', 'step_failed', 'err')]
+    _fields_ = [('hostname', ctypes.c_char_p), ('hostname_len', ctypes.c_long), ('start_ns', ctypes.c_long)] + [
+        (n, ctypes.c_int) for n in ('pid', 'ready_r', 'ready_w', 'keep_fd', 'step_failed', 'failed_call', 'err')]
 
 
-SPAWN_VERSION = 1  # forkling_spawn.c's FS_VERSION: the structures above match its own
+SPAWN_VERSION = 2  # forkling_spawn.c's FS_VERSION: the structures above match its own
+_FAILED_CALL = {1: 'pipe2', 2: 'unshare(CLONE_NEWPID)', 3: 'fork', 4: "setns back to the fork server's pid namespace"}
 _SPAWN = {}  # 'lib': fs_spawn (or None: not built), 'libc': a _Libc
 
 
@@ -542,14 +547,17 @@ def _spawn_lib():
             lib = ctypes.PyDLL(path)  # (PyDLL: the GIL stays held across fork(), as in os.fork())
             if lib.fs_version() != SPAWN_VERSION:
                 raise OSError('%s is version %d, not %d: rebuild it (npm run build:native)' % (path, lib.fs_version(), SPAWN_VERSION))
+            sizes = (ctypes.c_long * 4)()
+            lib.fs_sizes(sizes)
+            if list(sizes[:3]) != [ctypes.sizeof(t) for t in (_Libc, _Step, _Child)]:
+                raise OSError('%s: its structures are not ours (sizes %s): rebuild it (npm run build:native)' % (path, list(sizes[:3])))
+            fn = lib.fs_spawn
+            fn.restype = ctypes.c_int
+            fn.argtypes = (ctypes.POINTER(_Libc), ctypes.c_int, ctypes.POINTER(_Child), ctypes.c_int, ctypes.POINTER(_Step), ctypes.c_int)
+            _SPAWN['libc'] = _Libc(*[ctypes.cast(_libc[n], ctypes.c_void_p).value for n in _LIBC_FNS])
         except (OSError, AttributeError) as e:
             _agent_mod.log('forks are set up in Python (each costs more memory): %s' % e)
             return None
-        fn = lib.fs_spawn
-        fn.restype = ctypes.c_int
-        fn.argtypes = (ctypes.POINTER(_Libc), ctypes.c_int, ctypes.POINTER(_Child), ctypes.c_int, ctypes.POINTER(_Step), ctypes.c_int)
-        _SPAWN['libc'] = _Libc(*[ctypes.cast(_libc[n], ctypes.c_void_p).value
-                                 for n in ('fork', 'unshare', 'setns', 'pipe2', 'close', 'socket', 'ioctl', '__errno_location')])
         _SPAWN['lib'] = fn
     return _SPAWN['lib']
 
@@ -576,7 +584,6 @@ def _fork_in_c(agent, children, inherited, results):
     kids = (_Child * len(children))()
     for k, name in zip(kids, names):
         k.hostname, k.hostname_len = name, len(name)
-    t0 = time.perf_counter()
     i = _SPAWN['lib'](ctypes.byref(_SPAWN['libc']), STATE['pidns_fd'], kids, len(children), arr, len(steps))
     if i >= 0:  # child i: set up (or failed at a step), holding only its own ready pipe
         k = kids[i]
@@ -586,12 +593,15 @@ def _fork_in_c(agent, children, inherited, results):
     failed = None
     for ch, k in zip(children, kids):
         if k.pid > 0:
-            pending.append((ch, k.pid, k.ready_r, t0))
-        elif k.pid < 0:  # (EAGAIN at the pids limit, ENOMEM, EMFILE): it and the rest fail, the forked ones go on
-            failed = 'fork: %s' % os.strerror(-k.pid)
-            results[ch['id']] = {'id': ch['id'], 'ok': False, 'error': failed}
-        else:
+            pending.append((ch, k.pid, k.ready_r, k.start_ns / 1e9))
+        if k.failed_call:  # (EAGAIN at the pids limit, ENOMEM, EMFILE): it and the rest fail, the forked ones go on
+            failed = 'fork: %s: %s' % (_FAILED_CALL.get(k.failed_call, '?'), os.strerror(k.err))
+            if k.pid <= 0:
+                results[ch['id']] = {'id': ch['id'], 'ok': False, 'error': failed}
+        elif k.pid <= 0:
             results[ch['id']] = {'id': ch['id'], 'ok': False, 'error': 'not forked: %s' % failed}
+    if i == -2:  # we may be in a child's pid namespace: no more forks here (its children die with us)
+        raise OSError(failed)
     return pending
 
 
@@ -626,7 +636,7 @@ def _wait_ready(pending, results, children):
             ch, pid, t0, msg = child
             if msg == b'ok':
                 results[ch['id']] = {'id': ch['id'], 'ok': True, 'pid': pid,
-                                     'setupMs': (time.perf_counter() - t0) * 1000.0}
+                                     'setupMs': (time.monotonic() - t0) * 1000.0}
             else:
                 _kill(pid)
                 results[ch['id']] = {'id': ch['id'], 'ok': False,
@@ -726,7 +736,9 @@ _STEP_FN = ctypes.CFUNCTYPE(ctypes.c_int, *([ctypes.c_void_p] * 5), use_errno=Tr
 
 
 def _step(name, *args, what=None, kind=STEP_CALL):
-    return (kind, ctypes.cast(_libc[name], ctypes.c_void_p).value, args, what or '%s %s' % (name, args[0].decode() if args and isinstance(args[0], bytes) else ''))
+    if what is None:
+        what = '%s %s' % (name, args[0].decode()) if args and isinstance(args[0], bytes) else name
+    return (kind, ctypes.cast(_libc[name], ctypes.c_void_p).value, args, what)
 
 
 def _setup_plan():
@@ -780,7 +792,8 @@ def _setup_plan():
         _step('mount', b'tmpfs', dev, b'tmpfs', MS_NOSUID | MS_NOEXEC, b'mode=0755,size=64k', what='mount /dev'),
     ]
     for name in (b'null', b'zero', b'full', b'random', b'urandom', b'tty'):
-        after_layer.append(_step('mknod', dev + b'/' + name, stat.S_IFREG | 0o666, 0))
+        # (the system call: glibc exports mknod() only since 2.33)
+        after_layer.append(_step('syscall', SYS_MKNOD, dev + b'/' + name, stat.S_IFREG | 0o666, 0, what='mknod /dev/' + name.decode()))
         after_layer.append(_step('mount', b'/dev/' + name, dev + b'/' + name, None, MS_BIND, None, what='bind /dev/' + name.decode()))
     after_layer += [
         _step('mkdir', dev + b'/pts', 0o755),

@@ -118,6 +118,26 @@ class SpawnTest(unittest.TestCase):
         self.assertNotIn(socket.gethostname(), ['alpha', 'beta', 'gamma'])
         self.assertNotEqual(os.getpid(), 1)  # the caller's pid namespace is back
 
+    def test_a_failed_call_in_the_parent_stops_the_loop(self):
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        used = set(map(int, os.listdir('/proc/self/fd')))
+        lowest_free = min(set(range(len(used) + 1)) - used)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, hard))  # pipe2 has no fd left
+        try:
+            plan = {'before_layer': [], 'after_layer': [], 'pivot': []}
+            arr, flat = z._c_steps(plan)
+            kids = (z._Child * 2)()
+            i = z._SPAWN['lib'](ctypes.byref(z._SPAWN['libc']), self.pidns, kids, 2, arr, len(flat))
+            if i >= 0:
+                os._exit(1)  # (forked after all: the parent's checks below fail)
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        self.assertEqual(i, -1)
+        self.assertEqual((kids[0].pid, kids[0].failed_call, kids[0].err), (0, 1, errno.EMFILE))
+        self.assertEqual(z._FAILED_CALL[kids[0].failed_call], 'pipe2')
+        self.assertEqual((kids[1].pid, kids[1].failed_call), (0, 0), 'the rest are not forked')
+
     def test_failed_step_is_reported(self):
         steps = [
             z._step('unshare', z.CLONE_NEWUTS),
