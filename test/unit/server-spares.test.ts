@@ -29,7 +29,7 @@ test('serve --spares 2: two forks wait per template; a new sandbox is one of the
     const second = await Sandbox.create({ url: srv.url });
     assert.ok(waiting.includes(second.id), `${second.id} is one of the spares ${waiting.join(', ')}`);
     assert.is((await second.eval('6 * 7')).value, 42);
-    assert.ok(await pollUntil(() => spares().filter((n) => n !== second.id).length === 2, 20_000), 'refilled');
+    assert.ok(await pollUntil(() => spares().filter((n) => n !== second.id).length === 2, 20_000), `refilled: ${spares().join(', ')} (second ${second.id}, waiting ${waiting.join(', ')})`);
   } finally {
     await srv.stop();
   }

@@ -741,6 +741,8 @@ export class ProcessEngine implements Engine {
     if (!Number.isInteger(n) || n < 1 || n > 1024) throw new UserError(`cannot fork ${n} children`, 'n must be an integer from 1 to 1024');
     const startedAt = performance.now();
     const z = await this.zygote(template);
+    // Spares being made now are ready sooner than new forks, which would queue behind them at the zygote.
+    if (z.spares.length < n && z.refilling) await z.refilling.catch(() => {});
     const take: ProcessSandbox[] = [];
     while (take.length < n && z.spares.length > 0) {
       const s = z.spares.shift()!;
@@ -773,24 +775,33 @@ export class ProcessEngine implements Engine {
     return s;
   }
 
-  /** Tops the template's spares up to the target, in the background (one refill at a time, in requests of chunks()). */
-  private refill(z: Zygote): void {
+  /**
+   * Tops the template's spares up to the target, in the background (one refill at a time, in requests of chunks()).
+   * `followUp`: once this refill is done, one more for spares handed out meanwhile (not again after that:
+   * a template whose forks die at once must not make them forever).
+   */
+  private refill(z: Zygote, followUp = true): void {
     z.spares = z.spares.filter((s) => s.running);
     const want = this.spareTarget - z.spares.length;
     if (want <= 0 || z.refilling || z.dead || this.closed) return;
+    let failed = false;
     z.refilling = Promise.allSettled(
       chunks(want, z.limits.pids).map((k) => this.spawnChildren(z, k, false)),
     )
       .then((parts) => {
         for (const p of parts) {
-          if (p.status === 'rejected') this.warn(`forkling: refilling the spare forks of ${z.info.name} failed: ${(p.reason as Error).message}`);
-          else if (z.dead || this.closed || this.zygotes.get(z.info.name) !== z) void Promise.all(p.value.map((s) => s.kill())).catch(() => {}); // (retired meanwhile)
+          if (p.status === 'rejected') {
+            failed = true;
+            this.warn(`forkling: refilling the spare forks of ${z.info.name} failed: ${(p.reason as Error).message}`);
+          } else if (z.dead || this.closed || this.zygotes.get(z.info.name) !== z) void Promise.all(p.value.map((s) => s.kill())).catch(() => {}); // (retired meanwhile)
           else z.spares.push(...p.value);
         }
       })
       .finally(() => {
         z.refilling = null;
         this.pruneRetired();
+        // Spares handed out while this refill ran are made now, not at the next fork (after a failure: at the next fork).
+        if (followUp && !failed && this.zygotes.get(z.info.name) === z) this.refill(z, false);
       });
   }
 
