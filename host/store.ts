@@ -39,6 +39,11 @@ function syncPath(path: string): void {
   }
 }
 
+/** A directory next to `dest` for a build's `staging` or a replaced `old` one: the names recoverBuilds knows. */
+function besideName(dest: string, kind: 'staging' | 'old'): string {
+  return join(dirname(dest), `.${kind}-${basename(dest)}-${process.pid}-${randomBytes(6).toString('hex')}`);
+}
+
 /**
  * What a build of `dest` by a process that died left next to it: its staging
  * directory goes; its `.old-` (the previous `dest`, moved aside just before
@@ -71,17 +76,15 @@ function recoverBuilds(parent: string, name: string): void {
  */
 export async function buildDirAtomic(dest: string, fill: (staging: string) => Promise<void>): Promise<void> {
   const parent = dirname(dest);
-  const name = basename(dest);
   mkdirSync(parent, { recursive: true });
-  recoverBuilds(parent, name);
-  const tag = () => `${name}-${process.pid}-${randomBytes(6).toString('hex')}`;
-  const staging = join(parent, `.staging-${tag()}`);
+  recoverBuilds(parent, basename(dest));
+  const staging = besideName(dest, 'staging');
   mkdirSync(staging);
   try {
     await fill(staging);
     for (const e of readdirSync(staging, { withFileTypes: true })) if (e.isFile()) syncPath(join(staging, e.name));
     syncPath(staging);
-    const old = join(parent, `.old-${tag()}`);
+    const old = besideName(dest, 'old');
     let hadOld = false;
     try {
       renameSync(dest, old);
@@ -107,7 +110,7 @@ export async function buildDirAtomic(dest: string, fill: (staging: string) => Pr
 
 /** Removes a directory of the store as one step for its readers: moved aside first, then deleted. */
 export function removeDirAtomic(dir: string): void {
-  const aside = join(dirname(dir), `.old-${basename(dir)}-${process.pid}-${randomBytes(6).toString('hex')}`);
+  const aside = besideName(dir, 'old');
   renameSync(dir, aside);
   rmSync(aside, { recursive: true, force: true });
 }
