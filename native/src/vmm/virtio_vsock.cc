@@ -800,11 +800,16 @@ uint32_t VirtioVsock::PeerCredit(const Conn* c) const {
   return in_flight >= c->peer_buf_alloc ? 0 : c->peer_buf_alloc - in_flight;
 }
 
+size_t VirtioVsock::RxRoomAll() const {
+  if (rx_pending_bytes_ >= kMaxQueuedTotal || rx_pending_.size() >= kMaxQueuedPackets) return 0;
+  return kMaxQueuedTotal - rx_pending_bytes_;
+}
+
 void VirtioVsock::ReadFromHost(Conn* c) {
   const uint64_t id = c->id;
   while (c->state == Conn::State::kConnected && !c->host_eof && !c->guest_shut_rcv) {
     size_t room_conn = c->queued_rx < kMaxQueuedPerConn ? kMaxQueuedPerConn - c->queued_rx : 0;
-    size_t room_all = rx_pending_bytes_ < kMaxQueuedTotal && rx_pending_.size() < kMaxQueuedPackets ? kMaxQueuedTotal - rx_pending_bytes_ : 0;
+    const size_t room_all = RxRoomAll();
     const uint32_t credit = PeerCredit(c);
     size_t want = std::min<size_t>({credit, room_conn, room_all, kMaxPacketPayload});
     if (want == 0) {
@@ -915,8 +920,7 @@ void VirtioVsock::UpdateInterest(Conn* c) {
     case Conn::State::kConnecting:
       break;  // HUP is reported anyway
     case Conn::State::kConnected:
-      if (!c->host_eof && !c->guest_shut_rcv && PeerCredit(c) > 0 && c->queued_rx < kMaxQueuedPerConn &&
-          rx_pending_bytes_ < kMaxQueuedTotal && rx_pending_.size() < kMaxQueuedPackets)
+      if (!c->host_eof && !c->guest_shut_rcv && PeerCredit(c) > 0 && c->queued_rx < kMaxQueuedPerConn && RxRoomAll() > 0)
         want |= EPOLLIN;
       if (c->pending_to_host() > 0) want |= EPOLLOUT;
       break;

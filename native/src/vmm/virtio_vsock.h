@@ -198,6 +198,8 @@ class VirtioVsock : public VirtioDevice {
   Conn* FindConn(uint32_t host_port, uint32_t guest_port);
   Conn* FindId(uint64_t id);
   uint32_t PeerCredit(const Conn* c) const;
+  // Bytes of host data the shared rx queue still takes (0 at either of its bounds).
+  size_t RxRoomAll() const;
   void FailDevice(const std::string& message);
 
   const uint64_t guest_cid_;
