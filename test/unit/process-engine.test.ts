@@ -854,6 +854,7 @@ out = {
   'kexec_load': err(246, 0, 0, 0, 0),
   'ptrace': err(101, 16, 1, 0, 0),
   'unshare_user': err(272, 0x10000000),
+  'unshare_cgroup': err(272, 0x02000000),
   'setns_net': err(308, 0, 0x40000000),
   'reboot': err(169, 0xfee1dead, 672274793, 0x4321FEDC, 0),
   'pidfd_getfd': err(438, 0, 0, 0),
@@ -862,11 +863,15 @@ out = {
   'process_mrelease': err(448, 0, 0),
 }
 out['mount_ext4'] = 0 if libc.mount(b"/dev/null", b"/mnt", b"ext4", 0, None) == 0 else errno.errorcode[ctypes.get_errno()]
+import os; os.makedirs("/tmp/cg", exist_ok=True)
+out['mount_cgroup2'] = 0 if libc.mount(b"none", b"/tmp/cg", b"cgroup2", 0, None) == 0 else errno.errorcode[ctypes.get_errno()]
 out
 `;
   const got = (await val(c!.agent, code)) as Record<string, string | number>;
   const refused = ['bpf', 'perf_event_open', 'keyctl', 'init_module', 'kexec_load', 'ptrace', 'unshare_user', 'setns_net', 'reboot'];
-  for (const k of [...refused, 'pidfd_getfd', 'kcmp', 'process_madvise', 'process_mrelease']) {
+  // cgroup2: a cgroup namespace the sandbox owns would let it mount one (and, where the host lacks
+  // nsdelegate and the sandbox's root owns its cgroup files, raise its own limits)
+  for (const k of [...refused, 'pidfd_getfd', 'kcmp', 'process_madvise', 'process_mrelease', 'unshare_cgroup', 'mount_cgroup2']) {
     assert.is(got[k], 'EPERM', `${k}: ${got[k]}`);
   }
   assert.ok(got.mount_ext4 !== 0, 'an ext4 mount is refused');
@@ -1061,6 +1066,7 @@ test('works unprivileged too (uid 65534, user namespaces)', async () => {
       boot: 1,
       bootWrite: 1,
       bootBranch: 'c2',
+      cgroup2: ['EPERM', 'EPERM', 'EPERM'],
     });
   } finally {
     rmSync(home, { recursive: true, force: true });

@@ -28,7 +28,13 @@ try {
   const bootWrite = (await booted.agent.eval('open("/tmp/cold", "w").write("c")')).value;
   const [bb] = await engine.branch(booted, 1);
   const bootBranch = (await bb!.agent.eval('open("/tmp/cold").read() + str(open("/root/bb", "w").write("bb"))')).value;
-  console.log(JSON.stringify({ uid: process.getuid?.(), fork, own, write, branch, branched, boot, bootWrite, bootBranch }));
+  // No cgroup2 mount: its cgroup namespace is not the sandbox's own (without root a
+  // sandbox's root owns its cgroup files; where cgroup2 lacks nsdelegate it could raise its limits)
+  const mountCg =
+    'import ctypes, errno, os\nos.makedirs("/tmp/cg", exist_ok=True)\nlibc = ctypes.CDLL(None, use_errno=True)\n' +
+    '0 if libc.mount(b"none", b"/tmp/cg", b"cgroup2", 0, None) == 0 else errno.errorcode[ctypes.get_errno()]';
+  const cgroup2 = [(await a!.agent.eval(mountCg)).value, (await booted.agent.eval(mountCg)).value, (await bb!.agent.eval(mountCg)).value];
+  console.log(JSON.stringify({ uid: process.getuid?.(), fork, own, write, branch, branched, boot, bootWrite, bootBranch, cgroup2 }));
 } finally {
   await engine.close();
 }

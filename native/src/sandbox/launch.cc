@@ -6,9 +6,10 @@
 // once its root is in place, and Node cannot fork. clone() without CLONE_VM
 // from the JS thread gives a child that is a copy of this process with one
 // thread; until execve it uses raw system calls only (no malloc, no locks),
-// on strings prepared by the parent. The parent writes the uid/gid maps
-// (only it may map ranges) and moves the child into its cgroups before the
-// child goes on; errors before exec come back over a CLOEXEC pipe.
+// on strings prepared by the parent. The parent (the keeper) joins the
+// child's cgroups and makes its cgroup namespace before it clones it, writes
+// its uid/gid maps (only it may map ranges) before the child goes on; errors
+// before exec come back over a CLOEXEC pipe.
 //
 // Layout inside the child's mount namespace (stage = a host directory that
 // only this namespace mounts over):
@@ -70,7 +71,7 @@ namespace {
 const char* const kSteps[] = {
     "wait for the parent",              // 0
     "setresgid/setresuid to root",      // 1
-    "unshare(CLONE_NEWCGROUP)",         // 2
+    "unshare(CLONE_NEWCGROUP)",         // 2 (the keeper's)
     "make / private",                   // 3
     "mount the layer tmpfs",            // 4
     "mkdir in the layer",               // 5
@@ -96,7 +97,7 @@ const char* const kSteps[] = {
     "statfs of a bind mount",           // 25
     "clone the sandbox",                // 26
     "write the sandbox's uid/gid map",  // 27
-    "move the sandbox into its cgroup", // 28
+    "move into the sandbox's cgroups",  // 28 (the keeper, before it clones the sandbox)
 };
 
 struct Prepared {
@@ -205,8 +206,6 @@ void BindReadOnly(const char* src, const char* dst, int step) {
   // reached Node and every other sandbox (a process group ignores pid namespaces), and
   // /dev/tty was the user's terminal.
   if (setsid() < 0) Fail(1, errno);
-  // The keeper has placed us in our cgroups: make them our cgroup root.
-  if (unshare(CLONE_NEWCGROUP) != 0) Fail(2, errno);
   if (mount(nullptr, "/", nullptr, MS_REC | MS_PRIVATE, nullptr) != 0) Fail(3, errno);
   for (const std::string* d : {&p.upper, &p.work, &p.root}) {
     if (!MkdirP(d->c_str())) Fail(5, errno);
@@ -288,9 +287,9 @@ void BindReadOnly(const char* src, const char* dst, int step) {
 // The keeper: a copy of this process with one thread, in a mount namespace of
 // its own (and, when we are not root, a user namespace mapping us to root).
 // It mounts what must be locked read-only for the sandbox (the image, the
-// agent directory) before the sandbox's user namespace exists, clones the
-// sandbox, maps its ids, puts it in its cgroups, lets it go and exits once it
-// has exec'd. Raw system calls only, on prepared data.
+// agent directory) before the sandbox's user namespace exists, joins the
+// sandbox's cgroups and makes its cgroup namespace, clones the sandbox, maps
+// its ids, lets it go and exits once it has exec'd. Raw system calls only, on prepared data.
 [[noreturn]] void KeeperMain(const Prepared& p, int syncR, int errW, int stdoutFd, int lifelineFd) {
   prctl(PR_SET_PDEATHSIG, SIGKILL);  // dies with the JS thread that launched it
   prctl(PR_SET_NAME, "forkling-keeper", 0, 0, 0);
@@ -353,6 +352,18 @@ void BindReadOnly(const char* src, const char* dst, int step) {
   }
   if (dup3(execp[1], kExecFd, O_CLOEXEC) < 0) Fail(26, errno);
   close(execp[1]);
+  // The sandbox is born in its cgroups, inside a cgroup namespace rooted
+  // there that the keeper makes: one owned by the keeper's user namespace,
+  // not the sandbox's. Mounting cgroup2 needs CAP_SYS_ADMIN in the owner of
+  // the caller's cgroup namespace, so root in the sandbox cannot mount one;
+  // and seccomp refuses it a new one. Where the host's cgroup2 lacks
+  // nsdelegate and the sandbox's root is the owner of the cgroup files
+  // (without root on the host), a mount would have let it raise its own
+  // limits, or move itself into the zygote's cgroup and freeze or kill it.
+  for (const auto& f : p.cgroupProcs) {
+    if (!WriteAll(f.c_str(), "0", 1)) Fail(28, errno);  // (0: the writer)
+  }
+  if (unshare(CLONE_NEWCGROUP) != 0) Fail(2, errno);
   long pid = syscall(SYS_clone, CLONE_PARENT | CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS,
                      nullptr, nullptr, nullptr, 0);
   if (pid == 0) {
@@ -377,9 +388,6 @@ void BindReadOnly(const char* src, const char* dst, int step) {
   };
   if (!WriteAll(procPath("uid_map"), p.innerUidMap.data(), p.innerUidMap.size())) Fail(27, errno);
   if (!WriteAll(procPath("gid_map"), p.innerGidMap.data(), p.innerGidMap.size())) Fail(27, errno);
-  for (const auto& f : p.cgroupProcs) {
-    if (!WriteAll(f.c_str(), num, n)) Fail(28, errno);
-  }
   int msg[2] = {-1, static_cast<int>(pid)};
   if (write(kErrFd, msg, sizeof msg) != sizeof msg) _exit(125);
   if (write(sync2[1], "g", 1) != 1) Fail(26, errno);
@@ -448,12 +456,14 @@ std::vector<sock_filter> BuildFilter() {
   // clone3 passes its flags in memory seccomp cannot read: ENOSYS makes libc fall back to clone.
   f.push_back(Jump(BPF_JMP | BPF_JEQ | BPF_K, 435, 0, 1));
   f.push_back(Stmt(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | ENOSYS));
-  // clone (56) and unshare (272): no new user namespace (flags in the low half of arg 0).
+  // clone (56) and unshare (272): no new user namespace, nor a cgroup namespace
+  // (one of the sandbox's own would let it mount cgroup2: see KeeperMain) (flags
+  // in the low half of arg 0).
   for (uint32_t nr : {56u, 272u}) {
     f.push_back(Stmt(BPF_LD | BPF_W | BPF_ABS, kNr));
     f.push_back(Jump(BPF_JMP | BPF_JEQ | BPF_K, nr, 0, 3));
     f.push_back(Stmt(BPF_LD | BPF_W | BPF_ABS, kArg0));
-    f.push_back(Jump(BPF_JMP | BPF_JSET | BPF_K, CLONE_NEWUSER, 0, 1));
+    f.push_back(Jump(BPF_JMP | BPF_JSET | BPF_K, CLONE_NEWUSER | CLONE_NEWCGROUP, 0, 1));
     f.push_back(Stmt(BPF_RET | BPF_K, kEperm));
   }
   // setns (308): only into a pid namespace (the fork of N children resets
