@@ -6,21 +6,29 @@ A warm parent (numpy imported, gc frozen, as a zygote) forks N children at
 a time with libc's fork() (as the fork server does); each child does what
 its row says, then waits; the parent reads each child's
 Private_* from smaps_rollup while they all live. Batches of N: pages the
-parent writes after a fork are shared by the whole batch, not one child's."""
+parent writes after a fork are shared by the whole batch, not one child's.
+
+With the path of bench/python-reclaim.c built (argument 2), two more rows,
+after the parent's memory is made a file's (fr_remap): a child that serves
+one request and whose thread has ended, without and with
+fr_reclaim_and_wait (its pages equal to the file's given back) as it waits."""
 
 import ast
 import ctypes
 import gc
 import json
+import mmap
 import os
 import struct
 import sys
+import time
 import _thread
 
 import msgpack
 import numpy  # noqa: F401 - the warm-up
 
 N = int(sys.argv[1]) if len(sys.argv) > 1 else 10
+RECLAIM_SO = sys.argv[2] if len(sys.argv) > 2 else None
 plain_fork = ctypes.PyDLL(None).fork
 gc.collect()
 gc.freeze()
@@ -48,20 +56,49 @@ def serve(r, w):
     os.write(w, struct.pack('>I', len(out)) + out)
 
 
+def serve_then_end(req_r, res_w):
+    """serve() in a thread; returns once that thread has ended (this process has one thread again)."""
+    done_r, done_w = os.pipe()
+    _thread.start_new_thread(lambda: (serve(req_r, res_w), os.write(done_w, b'x')), ())
+    os.read(done_r, 1)
+    while len(os.listdir('/proc/self/task')) > 1:
+        time.sleep(0.001)
+
+
 MODES = [
     ('fork, then wait', None),
     ('fork, start a thread that waits', 'thread'),
     ("fork, eval '1 + 1' as the agent does (ast.parse, compile, eval)", 'eval'),
     ('fork, a thread reads a msgpack request, evals it, answers', 'serve'),
 ]
+RECLAIM_MODES = [
+    ("parent's memory a file's: fork, a thread serves one request and ends", 'serve-end'),
+    ('the same, then gives back its pages equal to the file and waits (fr_reclaim_and_wait)', 'serve-end-reclaim'),
+]
 warm = {}
 evaluate('1 + 1', warm)  # caches filled in the parent, as the zygote's rehearsal does
 msgpack.unpackb(msgpack.packb({'id': 1, 'code': '1 + 1'}), raw=False)
 rows = []
-for title, mode in MODES:
+remap = None
+for title, mode in MODES + (RECLAIM_MODES if RECLAIM_SO else []):
+    if mode == 'serve-end':  # (the last rows: the parent stays a file's)
+        lib = ctypes.CDLL(RECLAIM_SO)
+        state = mmap.mmap(-1, 1 << 20)  # (mappings of its own: not made a file's)
+        scratch = mmap.mmap(-1, 4 << 20)
+        state_p = ctypes.addressof(ctypes.c_char.from_buffer(state))
+        before = private_kib(os.getpid())
+        t0 = time.monotonic()
+        copied = lib.fr_remap(ctypes.c_void_p(state_p), ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(scratch))),
+                              ctypes.c_long(len(scratch)))
+        if copied < 0:
+            raise OSError(-copied, 'fr_remap: ' + os.strerror(-copied))
+        remap = {'ms': round((time.monotonic() - t0) * 1000, 1), 'file_kib': copied // 1024,
+                 'parent_private_kib': [before, private_kib(os.getpid())]}
     gate_r, gate_w = os.pipe()      # children wait on it
     ready_r, ready_w = os.pipe()    # a byte per child when it is done
-    pairs = [(os.pipe(), os.pipe()) for _ in range(N)] if mode == 'serve' else [None] * N
+    serving = mode is not None and mode.startswith('serve')
+    pairs = [(os.pipe(), os.pipe()) for _ in range(N)] if serving else [None] * N
+    given_back = []
     pids = []
     for i in range(N):
         pid = plain_fork()
@@ -74,28 +111,47 @@ for title, mode in MODES:
             elif mode == 'serve':
                 (req_r, _), (_, res_w) = pairs[i]
                 _thread.start_new_thread(lambda: (serve(req_r, res_w), os.write(ready_w, b'x'), os.read(gate_r, 1)), ())
+            elif serving:
+                (req_r, _), (_, res_w) = pairs[i]
+                serve_then_end(req_r, res_w)
+                if mode.endswith('reclaim'):  # (writes the count and waits for the gate itself)
+                    back = lib.fr_reclaim_and_wait(ctypes.c_void_p(state_p), ready_w, gate_r)
+                    if back < 0:
+                        os._exit(4)
+                else:
+                    os.write(ready_w, struct.pack('i', 0))
+                    os.read(gate_r, 1)
+                os._exit(0 if evaluate('int(numpy.arange(10).sum())', {'numpy': numpy}) == 45 else 3)  # all still there
             else:
                 os.write(ready_w, b'x')
             os.read(gate_r, 1)
             os._exit(0)
         pids.append(pid)
-    if mode == 'serve':
+    if serving:
         for i, ((_, req_w), (res_r, _)) in enumerate(pairs):
             body = msgpack.packb({'t': 'req', 'id': i, 'code': '1 + 1'}, use_bin_type=True)
             os.write(req_w, struct.pack('>I', len(body)) + body)
             n = struct.unpack('>I', os.read(res_r, 4))[0]
             assert msgpack.unpackb(os.read(res_r, n), raw=False)['value'] == 2
     for _ in range(N):
-        os.read(ready_r, 1)
+        if serving and mode != 'serve':
+            given_back.append(struct.unpack('i', os.read(ready_r, 4))[0])
+        else:
+            os.read(ready_r, 1)
     kib = sorted(private_kib(p) for p in pids)
     os.write(gate_w, b'x' * 2 * N)
     for p in pids:
-        os.waitpid(p, 0)
+        status = os.waitpid(p, 0)[1]
+        if status != 0:
+            raise RuntimeError('child %d ended with status %d (its memory was not intact)' % (p, status))
     for fd in (gate_r, gate_w, ready_r, ready_w):
         os.close(fd)
     for pr in pairs:
         if pr:
             for fd in pr[0] + pr[1]:
                 os.close(fd)
-    rows.append({'what': title, 'median_kib': kib[len(kib) // 2], 'max_kib': kib[-1]})
-print(json.dumps({'python': sys.version.split()[0], 'n': N, 'rows': rows}))
+    row = {'what': title, 'median_kib': kib[len(kib) // 2], 'max_kib': kib[-1]}
+    if mode == 'serve-end-reclaim':
+        row['given_back_kib'] = sorted(given_back)[N // 2] * 4
+    rows.append(row)
+print(json.dumps({'python': sys.version.split()[0], 'n': N, 'rows': rows, 'remap': remap}))

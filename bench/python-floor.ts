@@ -2,9 +2,15 @@
 // costs per forked child, without forkling (bench/python-floor.py, run with
 // the image's python3 in a cold-booted sandbox of the image `numpy`). A
 // child that takes one request in a thread and evaluates it cannot cost
-// less than the last row, whatever the agent around it does.
+// less than the last row, whatever the agent around it does. Two more rows
+// measure a prototype (bench/python-reclaim.c, built here with $CC or cc):
+// the parent's memory made a file's, and a child giving back its pages that
+// equal the file's, as the KVM engine's reclaim does.
 //   npx tsx bench/python-floor.ts [--n 10]
-import { readFileSync } from 'node:fs';
+import { spawnSync } from 'node:child_process';
+import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { ProcessEngine } from '../host/engine/process/engine.ts';
 import { buildImage, imageExists, loadImage } from '../host/images.ts';
 
@@ -17,16 +23,40 @@ if (!imageExists('numpy')) {
   await buildImage({ name: 'numpy', extras: ['python3-numpy'], ifMissing: true });
 }
 const rootfs = loadImage('numpy').rootfs;
+// Freestanding (no libc): it loads into the image's python whatever this host's libc is.
+const buildDir = mkdtempSync(join(tmpdir(), 'forkling-reclaim-'));
+const so = join(buildDir, 'python-reclaim.so');
+const cc = spawnSync(process.env.CC ?? 'cc', ['-O2', '-shared', '-fPIC', '-nostdlib', '-fno-stack-protector', '-z', 'defs', '-o', so,
+  new URL('./python-reclaim.c', import.meta.url).pathname], { encoding: 'utf8' });
+if (cc.status !== 0) console.error(`python-reclaim.c did not build (${cc.error?.message ?? cc.stderr.trim()}): its rows are left out`);
 const engine = new ProcessEngine({ rootfsOf: async () => rootfs });
 try {
   const box = await engine.boot({ image: 'numpy' });
   await box.agent.writeFile('/tmp/python-floor.py', readFileSync(new URL('./python-floor.py', import.meta.url)));
-  const r = await box.agent.exec(['python3', '/tmp/python-floor.py', String(N)], { timeoutMs: 120_000 });
+  const argv = ['python3', '/tmp/python-floor.py', String(N)];
+  if (cc.status === 0) {
+    await box.agent.writeFile('/tmp/python-reclaim.so', readFileSync(so));
+    argv.push('/tmp/python-reclaim.so');
+  }
+  const r = await box.agent.exec(argv, { timeoutMs: 120_000 });
   if (r.exitCode !== 0) throw new Error(`python-floor.py failed (${r.exitCode}): ${new TextDecoder().decode(r.stderr)}`);
-  const out = JSON.parse(new TextDecoder().decode(r.stdout)) as { python: string; n: number; rows: { what: string; median_kib: number; max_kib: number }[] };
+  const out = JSON.parse(new TextDecoder().decode(r.stdout)) as {
+    python: string;
+    n: number;
+    rows: { what: string; median_kib: number; max_kib: number; given_back_kib?: number }[];
+    remap: { ms: number; file_kib: number; parent_private_kib: [number, number] } | null;
+  };
   console.log(`CPython ${out.python}, numpy imported, gc frozen; ${out.n} children forked at a time with libc fork(); private KiB per child while all live:`);
-  for (const row of out.rows) console.log(`${String(row.median_kib).padStart(6)} (max ${String(row.max_kib).padStart(5)})  ${row.what}`);
+  for (const row of out.rows) {
+    const back = row.given_back_kib !== undefined ? ` (gave back ${row.given_back_kib} KiB)` : '';
+    console.log(`${String(row.median_kib).padStart(6)} (max ${String(row.max_kib).padStart(5)})  ${row.what}${back}`);
+  }
+  if (out.remap) {
+    const [before, after] = out.remap.parent_private_kib;
+    console.log(`parent's memory made a file's in ${out.remap.ms} ms: ${out.remap.file_kib} KiB written to it; parent private ${before} -> ${after} KiB`);
+  }
   await box.kill();
 } finally {
   await engine.close();
+  rmSync(buildDir, { recursive: true, force: true });
 }
