@@ -21,6 +21,8 @@ export interface ServerOptions {
   /** Null: no authentication (only allowed on loopback; the CLI enforces that). */
   auth: TokenAuth | null;
   tls?: { certFile: string; keyFile: string };
+  /** How often each session is pinged; one that answered none of the previous ping is dropped (default 30 s). */
+  heartbeatMs?: number;
 }
 
 /**
@@ -66,7 +68,7 @@ export class ForklingServer {
     // Half-open TCP connections (a client that vanished) are found by ping/pong.
     this.heartbeat = setInterval(() => {
       for (const s of this.sessions) if (!s.heartbeat()) this.sessions.delete(s);
-    }, HEARTBEAT_MS);
+    }, opts.heartbeatMs ?? HEARTBEAT_MS);
     this.heartbeat.unref();
     this.http.on('clientError', (_e, socket) => {
       if (socket.writable) socket.end('HTTP/1.1 400 Bad Request\r\nConnection: close\r\n\r\n');

@@ -58,11 +58,11 @@ let server: { srv: ForklingServer; url: string };
 let url = '';
 const logs: string[] = [];
 
-async function startServer(engine: Engine, callAgent: CallAgent): Promise<{ srv: ForklingServer; url: string }> {
+async function startServer(engine: Engine, callAgent: CallAgent, heartbeatMs?: number): Promise<{ srv: ForklingServer; url: string }> {
   const metrics = new ServerMetrics();
   const manager = new SandboxManager({ engine, metrics, memorySampleMs: 0 });
   const ctx = createContext({ manager, metrics, maxInFlight: 16, callAgent, log: (l) => logs.push(l) });
-  const srv = new ForklingServer({ ctx, auth: null });
+  const srv = new ForklingServer({ ctx, auth: null, ...(heartbeatMs !== undefined ? { heartbeatMs } : {}) });
   return { srv, url: (await srv.listen('127.0.0.1', 0)).url };
 }
 
@@ -213,6 +213,34 @@ test('an SDK stream upload into an agent that stops reading: the SDK stops readi
   // the server stopped reading at 16 MiB waiting; the SDK let 8 MiB wait on its side (plus the
   // sockets' buffers): without that it read the whole source into memory (96 MiB here)
   assert.ok(pulled < 64, `the SDK read ${pulled} MiB of a 96 MiB source`);
+});
+
+test('a session paused by its upload (the agent stopped reading) is not dropped by the heartbeat meanwhile; the stall rule ends the upload, the session goes on', async () => {
+  // Pinged every second: while the server reads nothing of the client, no pong can arrive (before
+  // the fix the session was dropped at the second ping, and the upload failed with a closed socket).
+  const fast = await startServer(socketAgentEngine(sockPath, 'hostile-heartbeat'), callAgentClient, 1000);
+  const { Sandbox } = await import('../../host/index.ts');
+  try {
+    const sb = await Sandbox.create({ template: 'default', url: fast.url });
+    let pulled = 0;
+    const source = new ReadableStream<Uint8Array>(
+      {
+        pull(c) {
+          if (pulled++ === 48) c.close();
+          else c.enqueue(new Uint8Array(1 << 20).fill(7));
+        },
+      },
+      { highWaterMark: 0 },
+    );
+    const err = await sb.files.write('/tmp/x', source).catch((e: Error) => e);
+    assert.instance(err, Error);
+    assert.match((err as Error).message, /took none of this stream/);
+    // (that agent reads nothing more: another sandbox, over the same connection)
+    const other = await Sandbox.create({ template: 'default', url: fast.url });
+    assert.is((await other.eval('6')).value, 6, 'the session answers again');
+  } finally {
+    await fast.srv.shutdown(500);
+  }
 });
 
 test('an answer the server cannot encode ends that request with internal; the session goes on', async () => {
