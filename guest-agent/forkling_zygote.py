@@ -66,8 +66,9 @@ RUN = '/run/forkling'
 ID_RE = re.compile(r'^[A-Za-z0-9_-]{1,32}$')
 HOST_RE = re.compile(r'^[A-Za-z0-9][A-Za-z0-9.-]{0,62}$')
 READY_TIMEOUT_S = 30.0
-# How long a new child waits for the host's first connection before it exits.
-UNCLAIMED_S = 2 * READY_TIMEOUT_S
+# How long a new child waits for the host's first connection before it exits
+# (the engine's option unclaimedForkS; the host checked it).
+UNCLAIMED_S = float(os.environ.get('FORKLING_PROCESS_UNCLAIMED_S') or 2 * READY_TIMEOUT_S)
 
 # What this process is: 'zygote' (started by the host), 'sandbox' (a child), or None (not the process engine).
 ROLE = os.environ.get('FORKLING_PROCESS_ROLE')

@@ -432,6 +432,36 @@ test('a fork server that died while idle (killed for memory, say) is replaced at
   await b!.kill();
 });
 
+test('a fork the host never connects to (it gave up on the request) exits by itself; a claimed one lives on', async () => {
+  const short = new ProcessEngine({ warn: () => {}, pidsPerSandbox: 64, unclaimedForkS: 2 });
+  const name = `${TEMPLATE}-unclaimed`;
+  try {
+    await short.createTemplate({ name, image: 'default' });
+    const [claimed] = await short.fork(name, 1);
+    // The zygote asked directly, as the engine does, which then never connects.
+    const zygote = (short as unknown as { zygotes: Map<string, { client: AgentClient }> }).zygotes.get(name)!;
+    const res = (await zygote.client.request('fork', { children: [{ id: 'unclaimed1', hostname: 'unclaimed1' }] })) as {
+      children: { ok: boolean; pid?: number }[];
+    };
+    assert.ok(res.children[0]?.ok, JSON.stringify(res));
+    const family = (pid: number): number[] => childrenOf(pid).flatMap((k) => [k, ...family(k)]);
+    const zpid = short.zygotePid(name)!;
+    const claimedPid = hostPid(claimed!);
+    const unclaimed = () => family(zpid).filter((p) => alive(p) && pidOneOwnNs(p) && p !== claimedPid);
+    assert.is(unclaimed().length, 1, 'the unclaimed fork runs');
+    const t0 = Date.now();
+    assert.ok(await pollUntil(() => unclaimed().length === 0, 15000), 'the unclaimed fork exited');
+    assert.ok(Date.now() - t0 >= 500, 'not at once: it waited for its host');
+    // (made before the unclaimed one: past its own unclaimed time too)
+    assert.is(await val(claimed!.agent, '6 * 7'), 42, 'the fork the host connected to lives on');
+    await claimed!.kill();
+    assert.throws(() => new ProcessEngine({ unclaimedForkS: 0 }), /unclaimedForkS: 0 is not a number of seconds/);
+  } finally {
+    await short.close();
+    rmSync(storePath('process-templates', `${name}.json`), { force: true });
+  }
+});
+
 test('BRANCH to depth 3: each level sees every variable above it; sources keep running', async () => {
   const [root] = await engine.fork(TEMPLATE, 1);
   // a file of the image deleted in the source (an overlay whiteout) stays deleted in its branches

@@ -75,6 +75,11 @@ export interface ProcessEngineOptions {
    * another holds a page with the same content). Default $FORKLING_PROCESS_KSM === '1'.
    */
   ksm?: boolean;
+  /**
+   * Seconds a new fork waits for the host's first connection before it exits
+   * (the host gave up on its request after the zygote answered). Default 60.
+   */
+  unclaimedForkS?: number;
 }
 
 /** A launched namespace root (zygote or cold-booted sandbox) and what the host holds for it. */
@@ -445,6 +450,7 @@ export class ProcessEngine implements Engine {
   private readonly pidsPerSandbox: number;
   private readonly spareTarget: number;
   private readonly ksm: boolean;
+  private readonly unclaimedForkS: number | undefined;
   /** As root: the host uid (and gid) of the sandboxes' root, the first of 65536 (null without root). */
   private readonly idBase: number | null;
   private closed = false;
@@ -459,6 +465,10 @@ export class ProcessEngine implements Engine {
     }
     this.spareTarget = opts.spares ?? envWhole('FORKLING_PROCESS_SPARES', 0, 0, MAX_SPARES);
     this.ksm = opts.ksm ?? envFlag('FORKLING_PROCESS_KSM');
+    if (opts.unclaimedForkS !== undefined && !(Number.isFinite(opts.unclaimedForkS) && opts.unclaimedForkS >= 1 && opts.unclaimedForkS <= 3600)) {
+      throw new UserError(`unclaimedForkS: ${opts.unclaimedForkS} is not a number of seconds from 1 to 3600`, 'give how long a new fork waits for its host, e.g. 60');
+    }
+    this.unclaimedForkS = opts.unclaimedForkS;
     this.idBase = process.getuid?.() === 0 ? envWhole('FORKLING_PROCESS_ID_BASE', DEFAULT_ID_BASE, 1, 0xffff0000) : null;
     if (this.ksm && ksmRun() !== '1') {
       this.warn(`forkling: KSM sharing asked for, but the host's KSM is not running (/sys/kernel/mm/ksm/run = ${ksmRun() ?? 'absent'}): no effect until it is`);
@@ -507,6 +517,7 @@ export class ProcessEngine implements Engine {
           `FORKLING_PROCESS_ROLE=${opts.role}`,
           'FORKLING_LIFELINE_FD=5',
           ...(this.ksm && opts.role === 'zygote' ? ['FORKLING_PROCESS_KSM=1'] : []),
+          ...(this.unclaimedForkS !== undefined && opts.role === 'zygote' ? [`FORKLING_PROCESS_UNCLAIMED_S=${this.unclaimedForkS}`] : []),
         ],
         cgroupProcs: cgroup?.procs ?? [],
         layerSizeMiB: Math.max(64, Math.round(opts.limits.memoryBytes / 2 ** 20)),
