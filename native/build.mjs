@@ -69,26 +69,33 @@ const r = spawnSync(process.execPath, [gyp, 'rebuild', `--nodedir=${nodedir}`, '
 });
 if (r.status !== 0) fail(`node-gyp exited with status ${r.status}; the compiler output is above.`);
 
-// The process engine's fork helper (guest-agent/forkling_spawn.c), loaded by
-// the fork server inside sandboxes: freestanding (no libc linked; -z defs
-// fails the link should the compiler ever call one), so it loads into any
-// image. Written next to its source, which the engine binds into every
-// zygote; renamed into place (a running zygote may have it mapped). Without
-// it forks still work, set up in Python (more memory per child): a failed
-// build is a warning.
-const spawnSrc = join(root, 'guest-agent', 'forkling_spawn.c');
-const spawnSo = join(root, 'guest-agent', 'forkling_spawn.so');
-const tmpSo = `${spawnSo}.${process.pid}.tmp`;
+// The process engine's helpers in C, loaded by the zygote and its forks
+// inside sandboxes (guest-agent/forkling_spawn.c: the fork loop and set-up;
+// forkling_reclaim.c: the template's memory as a file, and reclaim):
+// freestanding (no libc linked; -z defs fails the link should the compiler
+// ever call one), so they load into any image. Written next to their
+// sources, which the engine binds into every zygote; renamed into place (a
+// running zygote may have one mapped). Without them forks still work (set
+// up in Python; no reclaim: more memory per child): a failed build is a
+// warning.
 const cc = process.env.CC ? [process.env.CC] : have('cc') ? ['cc'] : ['g++', '-x', 'c'];
-const c = spawnSync(
-  cc[0],
-  [...cc.slice(1), '-std=gnu11', '-O2', '-Wall', '-Wextra', '-shared', '-fPIC', '-nostdlib', '-ffreestanding', '-fno-builtin',
-    '-fno-stack-protector', '-Wl,-z,defs', '-o', tmpSo, spawnSrc],
-  { stdio: 'inherit' },
-);
-if (c.status === 0) {
-  renameSync(tmpSo, spawnSo);
-} else {
-  rmSync(tmpSo, { force: true });
-  console.error(`forkling: warning: compiling ${spawnSrc} failed (status ${c.status}; output above): the process engine will set up forks in Python, with more memory per child`);
+for (const [name, without] of [
+  ['forkling_spawn', 'the process engine will set up forks in Python, with more memory per child'],
+  ['forkling_reclaim', "the process engine's forks will not give back the pages they copied (more memory per child)"],
+]) {
+  const src = join(root, 'guest-agent', `${name}.c`);
+  const so = join(root, 'guest-agent', `${name}.so`);
+  const tmpSo = `${so}.${process.pid}.tmp`;
+  const c = spawnSync(
+    cc[0],
+    [...cc.slice(1), '-std=gnu11', '-O2', '-Wall', '-Wextra', '-shared', '-fPIC', '-nostdlib', '-ffreestanding', '-fno-builtin',
+      '-fno-stack-protector', '-Wl,-z,defs', '-o', tmpSo, src],
+    { stdio: 'inherit' },
+  );
+  if (c.status === 0) {
+    renameSync(tmpSo, so);
+  } else {
+    rmSync(tmpSo, { force: true });
+    console.error(`forkling: warning: compiling ${src} failed (status ${c.status}; output above): ${without}`);
+  }
 }

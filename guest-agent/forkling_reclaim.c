@@ -1,0 +1,467 @@
+/* forkling_reclaim: a template's memory as a file, and forks that give back
+ * the pages they copied but hold their template's bytes again.
+ *
+ * Most pages a fork copies end up byte for byte the template's again (a
+ * reference count back where it was). A copied anonymous page cannot be
+ * shared again; a copied page of a file mapped MAP_PRIVATE can:
+ * MADV_DONTNEED drops the copy and the next access maps the file's page.
+ * So fr_remap (in the zygote, before its fork server) copies the process's
+ * private writable memory into a sealed memfd and maps that file
+ * MAP_PRIVATE over the same addresses: the same bytes, shared as page cache.
+ * fr_reclaim (in a fork, when it is idle) drops each page of its own that
+ * equals the file's (read from the file's fd, which forks inherit).
+ *
+ * Both run with every other thread of the process parked in a signal
+ * handler: a write between copying a page and mapping the file over it, or
+ * between comparing a page and dropping it, would be lost. A thread that
+ * does not park in time (the signal blocked, a thread exiting) makes the
+ * call give up, changing nothing.
+ *
+ * The file is sealed (no write, shrink or grow) before anything maps it:
+ * every sandbox of the template maps it, and none may change it for the
+ * others. Raw system calls only (no libc, not even errno): nothing here
+ * writes memory that is being copied or compared. x86-64 only, as the
+ * process engine's seccomp filter.
+ */
+
+#define FR_VERSION 1
+int fr_version(void) { return FR_VERSION; }
+
+typedef unsigned long u64;
+#define PAGE 4096UL
+#define FR_MAX_REGIONS 2048
+#define MAX_TIDS 1024
+#define PARK_SIG 64 /* SIGRTMAX: unused by glibc and CPython */
+
+/* What fr_remap made, in memory of its own (the caller's mmap, which it
+ * leaves alone); inherited by forks. */
+struct fr_region { u64 start, end, off; };
+struct fr_state {
+  long nr;
+  u64 size;
+  long fd;          /* the file (read with pread: a mapping of it would count as this process's) */
+  u64 dev, ino;     /* its identity: sandbox code may close fd and open something else there */
+  struct fr_region r[FR_MAX_REGIONS];
+};
+
+long fr_state_size(void) { return sizeof(struct fr_state); }
+
+#if defined(__x86_64__)
+
+static long sc(long n, long a, long b, long c, long d, long e, long f) {
+  long r;
+  register long r10 __asm__("r10") = d;
+  register long r8 __asm__("r8") = e;
+  register long r9 __asm__("r9") = f;
+  __asm__ volatile("syscall" : "=a"(r) : "a"(n), "D"(a), "S"(b), "d"(c), "r"(r10), "r"(r8), "r"(r9) : "rcx", "r11", "memory");
+  return r;
+}
+#define S0(n) sc(n, 0, 0, 0, 0, 0, 0)
+#define S1(n, a) sc(n, (long)(a), 0, 0, 0, 0, 0)
+#define S2(n, a, b) sc(n, (long)(a), (long)(b), 0, 0, 0, 0)
+#define S3(n, a, b, c) sc(n, (long)(a), (long)(b), (long)(c), 0, 0, 0)
+#define S4(n, a, b, c, d) sc(n, (long)(a), (long)(b), (long)(c), (long)(d), 0, 0)
+#define S6(n, a, b, c, d, e, f) sc(n, (long)(a), (long)(b), (long)(c), (long)(d), (long)(e), (long)(f))
+
+enum {
+  NR_read = 0, NR_write = 1, NR_open = 2, NR_close = 3, NR_mmap = 9, NR_rt_sigaction = 13, NR_rt_sigprocmask = 14,
+  NR_rt_sigreturn = 15, NR_pread = 17, NR_pwrite = 18, NR_madvise = 28, NR_nanosleep = 35, NR_getpid = 39,
+  NR_fstat = 5, NR_lseek = 8, NR_fcntl = 72, NR_ftruncate = 77, NR_gettid = 186, NR_futex = 202, NR_getdents64 = 217, NR_tgkill = 234,
+  NR_memfd_create = 319,
+};
+#define EINTR 4
+#define EBUSY 16
+#define ENOSPC 28
+#define ETIMEDOUT 110
+#define EIO 5
+#define EBADF 9
+
+/* ------------------------------------------------------------ parking */
+
+static volatile int parking; /* 1 while a call wants the others parked */
+static volatile int parked;  /* threads in the handler */
+
+/* rt_sigreturn, for SA_RESTORER (the kernel requires one on x86-64). */
+void fr_restorer(void);
+__asm__(".text\n.align 16\n.globl fr_restorer\n.type fr_restorer, @function\nfr_restorer:\n  mov $15, %rax\n  syscall\n");
+
+static void park_handler(int sig) {
+  (void)sig;
+  if (!__atomic_load_n(&parking, __ATOMIC_ACQUIRE)) return; /* late: nothing to wait for */
+  __atomic_add_fetch(&parked, 1, __ATOMIC_ACQ_REL);
+  S3(NR_futex, &parked, 1 /* WAKE */, 1);
+  while (__atomic_load_n(&parking, __ATOMIC_ACQUIRE)) S4(NR_futex, &parking, 0 /* WAIT */, 1, 0);
+  __atomic_sub_fetch(&parked, 1, __ATOMIC_ACQ_REL);
+  S3(NR_futex, &parked, 1, 1);
+}
+
+struct ksigaction { void (*handler)(int); u64 flags; void (*restorer)(void); u64 mask; };
+#define SA_RESTORER 0x04000000
+#define SA_RESTART 0x10000000
+
+static int install_handler(void) {
+  /* Ours for good (a late signal must never meet the default action, which ends the process). */
+  struct ksigaction sa = {park_handler, SA_RESTORER | SA_RESTART, fr_restorer, ~0UL /* all blocked while parked */};
+  return (int)S4(NR_rt_sigaction, PARK_SIG, &sa, 0, 8);
+}
+
+static void pause_ms(long ms) {
+  long ts[2] = {0, ms * 1000000L};
+  S2(NR_nanosleep, ts, 0);
+}
+
+static int parse_int(const char *s) {
+  int v = 0;
+  if (*s < '0' || *s > '9') return -1;
+  while (*s >= '0' && *s <= '9') v = v * 10 + (*s++ - '0');
+  return *s ? -1 : v;
+}
+
+/* The process's thread ids other than ours, added to tids (no duplicates): -errno, or how many were added. */
+static long new_tids(int *tids, long *n, int self) {
+  int fd = (int)S3(NR_open, "/proc/self/task", 0x10000 /* O_DIRECTORY */, 0);
+  if (fd < 0) return fd;
+  char buf[4096];
+  long added = 0, got;
+  while ((got = S3(NR_getdents64, fd, buf, sizeof buf)) > 0) {
+    for (long off = 0; off < got;) {
+      unsigned short reclen = *(unsigned short *)(buf + off + 16);
+      int tid = parse_int(buf + off + 19);
+      off += reclen;
+      if (tid <= 0 || tid == self) continue;
+      long i = 0;
+      while (i < *n && tids[i] != tid) i++;
+      if (i < *n) continue;
+      if (*n == MAX_TIDS) {
+        S1(NR_close, fd);
+        return -ENOSPC;
+      }
+      tids[(*n)++] = tid;
+      added++;
+    }
+  }
+  S1(NR_close, fd);
+  return got < 0 ? got : added;
+}
+
+static void unpark(void) {
+  __atomic_store_n(&parking, 0, __ATOMIC_RELEASE);
+  S3(NR_futex, &parking, 1, 0x7fffffff);
+  for (int i = 0; i < 2000 && __atomic_load_n(&parked, __ATOMIC_ACQUIRE) > 0; i++) pause_ms(1);
+}
+
+/* Parks every other thread; 0, or -errno with none parked. `wait_ms` bounds the wait for each round. */
+static long park_others(long wait_ms) {
+  int tids[MAX_TIDS]; /* (on the stack: the caller's stack is never copied nor compared) */
+  long n = 0, r;
+  int pid = (int)S0(NR_getpid), self = (int)S0(NR_gettid);
+  if ((r = install_handler()) < 0) return r;
+  __atomic_store_n(&parked, 0, __ATOMIC_RELEASE);
+  __atomic_store_n(&parking, 1, __ATOMIC_RELEASE);
+  long signalled = 0;
+  for (;;) {
+    long before = n;
+    if ((r = new_tids(tids, &n, self)) < 0) break;
+    if (r == 0 && __atomic_load_n(&parked, __ATOMIC_ACQUIRE) == signalled) return 0; /* all parked, none new */
+    for (long i = before; i < n; i++) {
+      if (S3(NR_tgkill, pid, tids[i], PARK_SIG) == 0) signalled++;
+    }
+    long waited = 0;
+    while (__atomic_load_n(&parked, __ATOMIC_ACQUIRE) < signalled && waited < wait_ms) {
+      pause_ms(1);
+      waited++;
+    }
+    if (__atomic_load_n(&parked, __ATOMIC_ACQUIRE) < signalled) {
+      r = -ETIMEDOUT; /* blocked the signal, exited, or stuck in the kernel */
+      break;
+    }
+  }
+  unpark();
+  return r;
+}
+
+/* --------------------------------------------------------- the mappings */
+
+static u64 hex(const char **s) {
+  u64 v = 0;
+  for (;;) {
+    char c = **s;
+    int d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+    if (d < 0) return v;
+    v = v * 16 + (u64)d;
+    (*s)++;
+  }
+}
+
+static int starts(const char *s, const char *p) {
+  while (*p)
+    if (*s++ != *p++) return 0;
+  return 1;
+}
+
+static int is_zero(const char *p) {
+  const u64 *q = (const u64 *)p;
+  for (int i = 0; i < 512; i++)
+    if (q[i]) return 0;
+  return 1;
+}
+
+static int same_page(const char *x, const char *y) {
+  const u64 *a = (const u64 *)x, *b = (const u64 *)y;
+  for (int i = 0; i < 512; i++)
+    if (a[i] != b[i]) return 0;
+  return 1;
+}
+
+/* A mapping to make the file's: private, read-write, plain memory; none of
+ * ours; not wipe-on-fork, dont-copy, locked, hugetlb, I/O or userfaultfd. */
+struct mapping { u64 start, end; int anon, ok; };
+
+static int vmflags_ok(const char *f) {
+  static const char *const bad[] = {"wf", "dc", "lo", "ht", "io", "pf", "um", "uw", "gd", "sh"};
+  for (; *f && *f != '\n'; f++) {
+    if (*f == ' ') continue;
+    for (unsigned i = 0; i < sizeof bad / sizeof bad[0]; i++)
+      if (f[0] == bad[i][0] && f[1] == bad[i][1] && (f[2] == ' ' || f[2] == '\n' || !f[2])) return 0;
+    while (f[1] && f[1] != ' ' && f[1] != '\n') f++;
+  }
+  return 1;
+}
+
+/* Reads /proc/self/smaps into buf; returns its length or -errno. */
+static long read_smaps(char *buf, long len) {
+  int fd = (int)S2(NR_open, "/proc/self/smaps", 0);
+  if (fd < 0) return fd;
+  long n = 0, k;
+  while (n < len - 1 && (k = S3(NR_read, fd, buf + n, len - 1 - n)) > 0) n += k;
+  S1(NR_close, fd);
+  if (n >= len - 1) return -ENOSPC;
+  buf[n] = 0;
+  return n;
+}
+
+/* The next mapping in smaps text at *s (advanced past it); 0 at the end. */
+static int next_mapping(const char **s, struct mapping *m, u64 skip[][2], int nskip) {
+  const char *p = *s;
+  if (!*p) return 0;
+  m->start = hex(&p);
+  p++;
+  m->end = hex(&p);
+  p++;
+  const char *perm = p, *line = p;
+  while (*p && *p != '\n') p++;
+  const char *name = p;
+  while (name > line && name[-1] != ' ') name--;
+  if (*p) p++;
+  m->anon = !*name || *name == '\n' || starts(name, "[heap]") || starts(name, "[anon:");
+  m->ok = perm[0] == 'r' && perm[1] == 'w' && perm[3] == 'p' && (m->anon || *name == '/');
+  for (int i = 0; i < nskip; i++)
+    if (m->start < skip[i][1] && m->end > skip[i][0]) m->ok = 0;
+  /* the fields up to the next mapping: VmFlags is the last */
+  while (*p) {
+    const char *l = p;
+    while (*p && *p != '\n') p++;
+    if (*p) p++;
+    if (starts(l, "VmFlags:")) {
+      if (!vmflags_ok(l + 8)) m->ok = 0;
+      break;
+    }
+  }
+  *s = p;
+  return 1;
+}
+
+/* Pagemap entries for [a, a + n pages): 0 or -errno. */
+static long pagemap(int pm, u64 a, u64 *out, long n) {
+  long want = n * 8, got = S4(NR_pread, pm, out, want, a / PAGE * 8);
+  return got == want ? 0 : got < 0 ? got : -EIO;
+}
+#define PM_PRESENT (1UL << 63)
+#define PM_SWAP (1UL << 62)
+#define PM_FILE (1UL << 61)
+#define PM_EXCLUSIVE (1UL << 56)
+
+static int in(u64 x, u64 a, u64 b) { return x >= a && x < b; }
+
+/* ------------------------------------------------------------- remap */
+
+/* Maps each page of the file's data here (a read): a fork that maps one
+ * then shares it with us, and so does not count it as its own (smaps counts
+ * a page cache page that one process alone maps as that process's). */
+static void touch_data(const struct fr_state *st) {
+  for (long i = 0; i < st->nr; i++) {
+    const struct fr_region *g = &st->r[i];
+    u64 end = g->off + (g->end - g->start);
+    for (long pos = (long)g->off; pos < (long)end;) {
+      long data = S3(NR_lseek, st->fd, pos, 3 /* SEEK_DATA */);
+      if (data < 0 || data >= (long)end) break;
+      long hole = S3(NR_lseek, st->fd, data, 4 /* SEEK_HOLE */);
+      if (hole < 0 || hole > (long)end) hole = (long)end;
+      for (long at = data; at < hole; at += (long)PAGE) (void)*(volatile const char *)(g->start + ((u64)at - g->off));
+      pos = hole;
+    }
+  }
+}
+
+/* With the others parked: copies each mapping to make the file's into a
+ * new memfd (anonymous memory: present or swapped non-zero pages; a file's
+ * private mapping: every non-zero page), seals it, maps it over each, and a
+ * fd kept open. Returns the bytes written to the file, or -errno
+ * (nothing changed: every mapping is remapped only once the file is sealed;
+ * a failure part-way through the mapping is -EBUSY: the process cannot go
+ * on). scratch: room for /proc/self/smaps; st: fr_state_size() bytes. */
+static long remap_parked(struct fr_state *st, char *scratch, long scratch_len) {
+  long n = read_smaps(scratch, scratch_len);
+  if (n < 0) return n;
+  u64 ent[512];
+  u64 me = (u64)ent, data[2] = {(u64)&parking, (u64)&parked};
+  u64 skip[5][2] = {{(u64)st, (u64)st + sizeof *st}, {(u64)scratch, (u64)scratch + (u64)scratch_len}};
+  int nskip = 2;
+  /* and the mappings of our own stack and of this library's data */
+  struct mapping m;
+  const char *s = scratch;
+  while (next_mapping(&s, &m, skip, 2)) {
+    if (in(me, m.start, m.end) || in(data[0], m.start, m.end) || in(data[1], m.start, m.end)) {
+      skip[nskip][0] = m.start;
+      skip[nskip][1] = m.end;
+      if (nskip < 4) nskip++;
+    }
+  }
+  int pm = (int)S2(NR_open, "/proc/self/pagemap", 0);
+  if (pm < 0) return pm;
+  long fd = S2(NR_memfd_create, "forkling-template", 1 | 2 /* MFD_CLOEXEC | MFD_ALLOW_SEALING */);
+  if (fd < 0) {
+    S1(NR_close, pm);
+    return fd;
+  }
+  long r = 0;
+  u64 off = 0, written = 0;
+  st->nr = 0;
+  s = scratch;
+  while (r == 0 && next_mapping(&s, &m, skip, nskip)) {
+    if (!m.ok) continue;
+    if (st->nr == FR_MAX_REGIONS) break; /* (the rest stay as they are) */
+    for (u64 a = m.start; a < m.end && r == 0; a += 512 * PAGE) {
+      long k = (long)((m.end - a) / PAGE < 512 ? (m.end - a) / PAGE : 512);
+      if ((r = pagemap(pm, a, ent, k)) < 0) break;
+      for (long i = 0; i < k; i++) {
+        const char *p = (const char *)(a + (u64)i * PAGE);
+        if (m.anon && !(ent[i] & (PM_PRESENT | PM_SWAP))) continue;
+        if (is_zero(p)) continue; /* a hole: reads as zeros */
+        long w = S4(NR_pwrite, fd, p, PAGE, off + ((u64)p - m.start));
+        if (w != (long)PAGE) {
+          r = w < 0 ? w : -EIO;
+          break;
+        }
+        written += PAGE;
+      }
+    }
+    st->r[st->nr].start = m.start;
+    st->r[st->nr].end = m.end;
+    st->r[st->nr].off = off;
+    st->nr++;
+    off += m.end - m.start;
+  }
+  S1(NR_close, pm);
+  if (r == 0) r = S2(NR_ftruncate, fd, off);
+  /* F_ADD_SEALS: SEAL | SHRINK | GROW | WRITE */
+  if (r == 0) r = S3(NR_fcntl, fd, 1033, 1 | 2 | 4 | 8);
+  u64 stat[18];
+  if (r == 0) r = S2(NR_fstat, fd, stat);
+  if (r < 0) {
+    S1(NR_close, fd);
+    st->nr = 0;
+    return r;
+  }
+  for (long i = 0; i < st->nr; i++) {
+    const struct fr_region *g = &st->r[i];
+    long got = S6(NR_mmap, g->start, g->end - g->start, 3 /* READ | WRITE */, 2 | 0x10 /* PRIVATE | FIXED */, fd, g->off);
+    if (got != (long)g->start) {
+      st->nr = i; /* those before are the file's; this one is gone */
+      st->fd = fd;
+      st->dev = stat[0];
+      st->ino = stat[1];
+      return -EBUSY;
+    }
+  }
+  st->size = off;
+  st->fd = fd;
+  st->dev = stat[0];
+  st->ino = stat[1];
+  touch_data(st);
+  return (long)written;
+}
+
+long fr_remap(struct fr_state *st, char *scratch, long scratch_len, long wait_ms) {
+  u64 all = ~0UL, old;
+  S4(NR_rt_sigprocmask, 2 /* SIG_SETMASK */, &all, &old, 8); /* no handler of ours runs in between */
+  long r = park_others(wait_ms);
+  if (r == 0) {
+    r = remap_parked(st, scratch, scratch_len);
+    unpark();
+  }
+  S4(NR_rt_sigprocmask, 2, &old, 0, 8);
+  return r;
+}
+
+/* ----------------------------------------------------------- reclaim */
+
+/* With the others parked: drops each page of this process alone (present,
+ * anonymous, exclusive) in the file's mappings whose bytes equal the
+ * file's. Skips the mapping of the calling thread's stack. Returns the
+ * pages given back, or -errno. */
+static long reclaim_parked(const struct fr_state *st) {
+  u64 ent[512], page[512], stat[18];
+  u64 me = (u64)ent;
+  if (S2(NR_fstat, st->fd, stat) < 0 || stat[0] != st->dev || stat[1] != st->ino) return -EBADF;
+  int pm = (int)S2(NR_open, "/proc/self/pagemap", 0);
+  if (pm < 0) return pm;
+  long back = 0, r = 0;
+  for (long i = 0; i < st->nr && r == 0; i++) {
+    const struct fr_region *g = &st->r[i];
+    if (in(me, g->start, g->end)) continue;
+    for (u64 a = g->start; a < g->end && r == 0; a += 512 * PAGE) {
+      long k = (long)((g->end - a) / PAGE < 512 ? (g->end - a) / PAGE : 512);
+      if ((r = pagemap(pm, a, ent, k)) < 0) break;
+      for (long j = 0; j < k; j++) {
+        if ((ent[j] & (PM_PRESENT | PM_FILE | PM_EXCLUSIVE)) != (PM_PRESENT | PM_EXCLUSIVE)) continue;
+        const char *p = (const char *)(a + (u64)j * PAGE);
+        /* (a hole reads as zeros and stays a hole) */
+        if (S4(NR_pread, st->fd, page, PAGE, g->off + ((u64)p - g->start)) != (long)PAGE) {
+          r = -EIO;
+          break;
+        }
+        if (!same_page(p, (const char *)page)) continue;
+        if (S3(NR_madvise, p, PAGE, 4 /* MADV_DONTNEED */) == 0) back++;
+      }
+    }
+  }
+  S1(NR_close, pm);
+  return r < 0 ? r : back;
+}
+
+long fr_reclaim(const struct fr_state *st, long wait_ms) {
+  if (!st->nr) return 0;
+  u64 all = ~0UL, old;
+  S4(NR_rt_sigprocmask, 2, &all, &old, 8);
+  long r = park_others(wait_ms);
+  if (r == 0) {
+    r = reclaim_parked(st);
+    unpark();
+  }
+  S4(NR_rt_sigprocmask, 2, &old, 0, 8);
+  return r;
+}
+
+#else /* not x86-64 */
+
+long fr_remap(struct fr_state *st, char *scratch, long scratch_len, long wait_ms) {
+  (void)st, (void)scratch, (void)scratch_len, (void)wait_ms;
+  return -38; /* ENOSYS */
+}
+long fr_reclaim(const struct fr_state *st, long wait_ms) {
+  (void)st, (void)wait_ms;
+  return -38;
+}
+
+#endif
