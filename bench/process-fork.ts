@@ -3,7 +3,7 @@
 // sandbox without a zygote (new namespaces, python3 start, the same warm-up from
 // scratch). "Ready" = every child has answered its first eval. Private memory
 // per child = Private_* of smaps_rollup of its processes while alive, after
-// that first answer. Builds the image `numpy` (default + python3-numpy) once.
+// that first answer, and again once they have been idle 2 s (reclaim). Builds the image `numpy` (default + python3-numpy) once.
 //   npx tsx bench/process-fork.ts [--image NAME] [--no-cold] [--no-spares] [--ksm] [--n 1,10,100]
 import { closeSync, openSync, readdirSync, readFileSync, readSync, rmSync } from 'node:fs';
 import type { Sandbox } from '../host/engine/engine.ts';
@@ -19,6 +19,9 @@ const COLD = !args.includes('--no-cold');
 const KSM = args.includes('--ksm');
 const SPARES = !args.includes('--no-spares');
 const WARMUP = 'import numpy';
+/** How long children are left idle before their memory is read again: an idle fork gives back its
+ * copies of the template's bytes after a whole quiet tick of its service thread (0.5-1 s). */
+const IDLE_MS = 2000;
 const nArg = args.indexOf('--n');
 const NS = nArg >= 0 ? args[nArg + 1]!.split(',').map(Number) : [1, 10, 100];
 if (!NS.every((n) => Number.isInteger(n) && n >= 1 && n <= 1024)) throw new Error('--n takes a comma-separated list of counts from 1 to 1024, e.g. --n 10,100');
@@ -129,6 +132,9 @@ interface Row {
   split: string;
   forkPrivKiB: number;
   forkPrivMaxKiB: number;
+  /** The same once the children have been idle IDLE_MS (an idle fork gives back its copies of the template's bytes). */
+  idlePrivKiB: number;
+  idlePrivMaxKiB: number;
   /** Median KiB no other process of the template has byte for byte (see uniqueKiB). */
   uniqueKiB: number | null;
   coldMs?: number;
@@ -160,11 +166,14 @@ try {
     const ls = engine.lastSpawn!;
     const split = `cgroups ${ls.cgroupsMs.toFixed(1)}, zygote reply ${ls.replyMs.toFixed(1)}, restored ${ls.readyMs.toFixed(1)}, child set-up median ${ls.childSetupMsMedian.toFixed(1)}, slowest move into a cgroup ${ls.slowestMoveMs.toFixed(1)}`;
     const priv = await Promise.all(kids.map(async (k) => (await k.stats()).privateKiB));
+    await new Promise((r) => setTimeout(r, IDLE_MS)); // (the state measured: idle this long)
+    const idle = await Promise.all(kids.map(async (k) => (await k.stats()).privateKiB));
     const kidPids = kids.map((k) => (k as unknown as { hostPid: number }).hostPid);
     const uniq = kidPids.slice(0, 5).map((p, i) => uniqueKiB(p, [...zpids, kidPids[(i + 1) % kidPids.length]!].filter((x) => x !== p)));
     await Promise.all(kids.map((k) => k.kill()));
     const u = uniq.every((x) => x !== null) ? median(uniq as number[]) : null;
-    rows.push({ n, forkMs, split: `${split}\n      | ${cpu}`, forkPrivKiB: median(priv), forkPrivMaxKiB: Math.max(...priv), uniqueKiB: u });
+    rows.push({ n, forkMs, split: `${split}\n      | ${cpu}`, forkPrivKiB: median(priv), forkPrivMaxKiB: Math.max(...priv),
+      idlePrivKiB: median(idle), idlePrivMaxKiB: Math.max(...idle), uniqueKiB: u });
   }
   // The same with 100 spare forks kept ready per template (set up and listening in advance;
   // restored at hand-out): what a caller waits for when the pool is full.
@@ -200,10 +209,11 @@ try {
       await Promise.all(boxes.map((b) => b.kill()));
     }
   }
-  console.log('\n    N | fork: all ready ms | private KiB/child (median, max) | cold: all ready ms | cold private KiB | cold/fork');
+  console.log(`\n    N | fork: all ready ms | private KiB/child (median, max) | idle ${IDLE_MS / 1000} s later | cold: all ready ms | cold private KiB | cold/fork`);
   for (const r of rows) {
     console.log(
       `${String(r.n).padStart(5)} | ${r.forkMs.toFixed(1).padStart(18)} | ${`${r.forkPrivKiB}, ${r.forkPrivMaxKiB}`.padStart(31)} | ` +
+        `${`${r.idlePrivKiB}, ${r.idlePrivMaxKiB}`.padStart(16)} | ` +
         `${r.coldMs === undefined ? '-'.padStart(18) : r.coldMs.toFixed(1).padStart(18)} | ${String(r.coldPrivKiB ?? '-').padStart(16)} | ` +
         `${r.coldMs === undefined ? '-' : `${(r.coldMs / r.forkMs).toFixed(1)}x`}`,
     );

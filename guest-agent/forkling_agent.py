@@ -317,6 +317,7 @@ class Connection:
             self.close()
 
     def dispatch(self, frame):
+        self.agent.frames += 1
         bad = validate_client_frame(frame)
         if bad:
             return self.error(*bad)
@@ -1055,6 +1056,7 @@ class Agent:
         self.t0 = time.monotonic()
         self.sandbox_id = None
         self.contexts = {'default': new_namespace()}
+        self.frames = 0  # frames taken from clients: what "idle" is measured by (forkling_memfile)
         self.connections = set()
         self.listeners = []
         # Connection threads: one that finished waits here for the next

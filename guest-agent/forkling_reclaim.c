@@ -45,6 +45,7 @@ struct fr_state {
 };
 
 long fr_state_size(void) { return sizeof(struct fr_state); }
+long fr_fd(const struct fr_state *st) { return st->nr ? st->fd : -1; }
 
 #if defined(__x86_64__)
 

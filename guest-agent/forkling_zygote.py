@@ -47,6 +47,7 @@ import time
 import traceback
 
 import forkling_inherit
+import forkling_memfile
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -244,6 +245,7 @@ def _freeze_base():
         _agent_mod.log('zygote rehearsal failed: %r' % e)
     gc.collect()
     gc.freeze()
+    forkling_memfile.remap(_agent_mod.log)  # (last: what forks share from here on is the file's)
     if os.environ.get('FORKLING_PROCESS_KSM') == '1':
         _ksm_opt_in()
 
@@ -696,7 +698,7 @@ def _own_fds(agent):
     """The agent's fds that a child must not copy (forkling_inherit): STATE's,
     the fork server's socket, the console and the eval output pipes (which
     the child releases)."""
-    own = {v for k, v in STATE.items() if k.endswith('_fd') and isinstance(v, int)}
+    own = {v for k, v in STATE.items() if k.endswith('_fd') and isinstance(v, int)} | forkling_memfile.own_fds()
     if STATE['in_server'] is not None:
         own.add(STATE['in_server'].fileno())
     own |= set(_console_fds(agent))
@@ -1056,6 +1058,15 @@ def _service(agent, lsock):
                 _agent_mod.log('connection refused: %s: %s' % (type(e).__name__, e))
         if _agent_mod.IS_PID1:
             seen = _agent_mod.reap_tick(seen)
+        if not events:  # a quiet tick: once the sandbox has been idle a whole one, its copies equal to the template's go
+            forkling_memfile.when_idle(agent.frames, _idle(agent), _agent_mod.log)
+
+
+def _idle(agent):
+    """No eval runs and no client request is open."""
+    if agent.running is not None:
+        return False
+    return not any(c.open for c in list(agent.connections))
 
 
 # ------------------------------------------------------------------ branch: copy a layer

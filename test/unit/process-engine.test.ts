@@ -462,6 +462,49 @@ test('a fork the host never connects to (it gave up on the request) exits by its
   }
 });
 
+test("an idle fork gives back its copies of the template's bytes (reclaim); what it holds stays as it was; the template file is sealed", async () => {
+  const warm = ['import threading', 'BIG = [str(i) * 20 for i in range(200000)]', 'TOTAL = sum(len(x) for x in BIG)'];
+  await withTemplate('reclaim', warm, async (name, kids) => {
+    kids.push(...(await engine.fork(name, 2)));
+    const [a, b] = kids as [Sandbox, Sandbox];
+    // touch (and leave as they were) many of the template's objects; state of its own; a thread
+    await val(a.agent, 'n = sum(len(x) for x in BIG)\nMINE = {"k": list(range(1000))}\nT = threading.Thread(target=lambda: None); T.start(); T.join()\nn');
+    const priv = () =>
+      readFileSync(`/proc/${hostPid(a)}/smaps_rollup`, 'utf8')
+        .split('\n')
+        .filter((l) => l.startsWith('Private'))
+        .reduce((t, l) => t + Number(l.split(/\s+/)[1]), 0);
+    const busy = priv();
+    // idle: a whole quiet tick (0.5-1 s) of its service thread, then it gives back
+    assert.ok(await pollUntil(() => priv() < busy - 256, 10000, 200), `gave back (was ${busy} KiB, now ${priv()})`);
+    assert.equal(await val(a.agent, '(sum(len(x) for x in BIG) == TOTAL, MINE["k"][-1], BIG[123456])'), [true, 999, '123456'.repeat(20)]);
+    assert.equal(await val(b.agent, '(len(BIG), TOTAL == sum(len(x) for x in BIG), "MINE" in globals())'), [200000, true, false]);
+    // the file every fork maps: its fd is in each fork, and refuses what would change it for the others
+    const sealed = (await val(
+      a.agent,
+      'import os, errno\n' +
+        'fd = next(int(n) for n in os.listdir("/proc/self/fd") if "forkling-template" in (os.readlink("/proc/self/fd/" + n) if os.path.exists("/proc/self/fd/" + n) else ""))\n' +
+        'out = []\n' +
+        'for f in (lambda: os.pwrite(fd, b"x", 0), lambda: os.ftruncate(fd, 0), lambda: os.ftruncate(fd, 1 << 40)):\n' +
+        '    try:\n        f(); out.append("done")\n    except OSError as e:\n        out.append(errno.errorcode[e.errno])\n' +
+        'out',
+    )) as string[];
+    assert.equal(sealed, ['EPERM', 'EPERM', 'EPERM']);
+  });
+  // off: no file, nothing given back
+  const off = new ProcessEngine({ warn: () => {}, pidsPerSandbox: 64, reclaim: false });
+  const name = `${TEMPLATE}-noreclaim`;
+  try {
+    await off.createTemplate({ name, image: 'default' });
+    const [c] = await off.fork(name, 1);
+    assert.is(await val(c!.agent, 'import os\nany("forkling-template" in os.readlink("/proc/self/fd/" + n) for n in os.listdir("/proc/self/fd") if os.path.exists("/proc/self/fd/" + n))'), false);
+    await c!.kill();
+  } finally {
+    await off.close();
+    rmSync(storePath('process-templates', `${name}.json`), { force: true });
+  }
+});
+
 test('BRANCH to depth 3: each level sees every variable above it; sources keep running', async () => {
   const [root] = await engine.fork(TEMPLATE, 1);
   // a file of the image deleted in the source (an overlay whiteout) stays deleted in its branches

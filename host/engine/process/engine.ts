@@ -80,6 +80,13 @@ export interface ProcessEngineOptions {
    * (the host gave up on its request after the zygote answered). Default 60.
    */
   unclaimedForkS?: number;
+  /**
+   * The zygote's memory becomes a sealed file mapped copy-on-write where it
+   * was, and an idle fork gives back the pages it copied that hold the
+   * template's bytes again (guest-agent/forkling_reclaim.c). Default on;
+   * $FORKLING_PROCESS_RECLAIM=0 turns it off.
+   */
+  reclaim?: boolean;
 }
 
 /** A launched namespace root (zygote or cold-booted sandbox) and what the host holds for it. */
@@ -451,6 +458,7 @@ export class ProcessEngine implements Engine {
   private readonly spareTarget: number;
   private readonly ksm: boolean;
   private readonly unclaimedForkS: number | undefined;
+  private readonly reclaim: boolean;
   /** As root: the host uid (and gid) of the sandboxes' root, the first of 65536 (null without root). */
   private readonly idBase: number | null;
   private closed = false;
@@ -469,6 +477,7 @@ export class ProcessEngine implements Engine {
       throw new UserError(`unclaimedForkS: ${opts.unclaimedForkS} is not a number of seconds from 1 to 3600`, 'give how long a new fork waits for its host, e.g. 60');
     }
     this.unclaimedForkS = opts.unclaimedForkS;
+    this.reclaim = opts.reclaim ?? process.env.FORKLING_PROCESS_RECLAIM !== '0';
     this.idBase = process.getuid?.() === 0 ? envWhole('FORKLING_PROCESS_ID_BASE', DEFAULT_ID_BASE, 1, 0xffff0000) : null;
     if (this.ksm && ksmRun() !== '1') {
       this.warn(`forkling: KSM sharing asked for, but the host's KSM is not running (/sys/kernel/mm/ksm/run = ${ksmRun() ?? 'absent'}): no effect until it is`);
@@ -518,6 +527,7 @@ export class ProcessEngine implements Engine {
           'FORKLING_LIFELINE_FD=5',
           ...(this.ksm && opts.role === 'zygote' ? ['FORKLING_PROCESS_KSM=1'] : []),
           ...(this.unclaimedForkS !== undefined && opts.role === 'zygote' ? [`FORKLING_PROCESS_UNCLAIMED_S=${this.unclaimedForkS}`] : []),
+          ...(this.reclaim && opts.role === 'zygote' ? ['FORKLING_PROCESS_RECLAIM=1'] : []),
         ],
         cgroupProcs: cgroup?.procs ?? [],
         layerSizeMiB: Math.max(64, Math.round(opts.limits.memoryBytes / 2 ** 20)),

@@ -1,0 +1,104 @@
+"""forkling_memfile: the process engine's template memory as a file, and
+forks that give back the pages they copied but hold the template's bytes
+again (forkling_reclaim.c does the work; this is its Python side).
+
+The zygote calls remap() once, last thing before its first fork: its private
+memory becomes a sealed memfd's, mapped MAP_PRIVATE where it was. Every fork
+inherits that (and the state below); its service thread calls
+when_idle() on each quiet tick, which gives back the fork's own pages equal
+to the file once the sandbox has been idle a whole tick since its last
+request. Off unless the host sets FORKLING_PROCESS_RECLAIM=1 (the engine's
+option `reclaim`, on by default).
+"""
+
+import ctypes
+import errno
+import mmap
+import os
+
+VERSION = 1  # forkling_reclaim.c's FR_VERSION
+WAIT_MS = 200  # how long the other threads have to park
+SCRATCH = 32 << 20  # room for /proc/self/smaps
+STATE = {
+    'lib': None,      # the loaded forkling_reclaim.so (None: off)
+    'state': None,    # the mmap holding its struct fr_state (inherited by forks)
+    'st': None,       # its address
+    'fd': None,       # the file's fd (forks keep it: forkling_zygote counts it as the agent's own)
+    'given_back': 0,  # pages given back by this process
+    'seen': -1,       # the agent's request count at the last tick
+    'done_at': -1,    # ... and at the last reclaim
+    'timeouts': 0,    # reclaims in a row that gave up: a thread did not park
+}
+MAX_TIMEOUTS = 3
+
+
+def _load(log):
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'forkling_reclaim.so')
+    try:
+        lib = ctypes.CDLL(path)
+        if lib.fr_version() != VERSION:
+            raise OSError('%s is version %d, not %d: rebuild it (npm run build:native)' % (path, lib.fr_version(), VERSION))
+    except (OSError, AttributeError) as e:
+        log('forks will not give back the pages they copied (more memory per child): %s' % e)
+        return None
+    for fn in (lib.fr_remap, lib.fr_reclaim, lib.fr_state_size, lib.fr_fd):
+        fn.restype = ctypes.c_long
+    lib.fr_fd.argtypes = (ctypes.c_void_p,)
+    lib.fr_remap.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long)
+    lib.fr_reclaim.argtypes = (ctypes.c_void_p, ctypes.c_long)
+    return lib
+
+
+def remap(log):
+    """In the zygote, once, after gc.freeze(): the template's memory made the file's.
+    A failure leaves the process as it was (reclaim off), but one part-way
+    through mapping (EBUSY), after which it cannot go on."""
+    if os.environ.get('FORKLING_PROCESS_RECLAIM') != '1' or STATE['lib'] is not None:
+        return
+    lib = _load(log)
+    if lib is None:
+        return
+    state = mmap.mmap(-1, lib.fr_state_size(), flags=mmap.MAP_PRIVATE)
+    scratch = mmap.mmap(-1, SCRATCH, flags=mmap.MAP_PRIVATE)
+    st = ctypes.addressof(ctypes.c_char.from_buffer(state))
+    buf = ctypes.c_char.from_buffer(scratch)
+    n = lib.fr_remap(st, ctypes.addressof(buf), SCRATCH, WAIT_MS)
+    del buf
+    scratch.close()
+    if n == -errno.EBUSY:
+        log('the template memory could not be mapped back in place: ending')
+        os._exit(70)
+    if n < 0:
+        log('forks will not give back the pages they copied: making the template memory a file failed: %s'
+            % os.strerror(-n))
+        state.close()
+        return
+    STATE.update(lib=lib, state=state, st=st, fd=lib.fr_fd(st))
+
+
+def own_fds():
+    return {STATE['fd']} if STATE['fd'] is not None else set()
+
+
+def when_idle(activity, idle, log):
+    """A service thread's quiet tick: `activity` is the agent's request count,
+    `idle` whether nothing runs. Gives back once per quiet spell."""
+    lib = STATE['lib']
+    if lib is None:
+        return
+    quiet = activity == STATE['seen']
+    STATE['seen'] = activity
+    if not quiet or activity == STATE['done_at'] or not idle:
+        return
+    STATE['done_at'] = activity
+    n = lib.fr_reclaim(STATE['st'], WAIT_MS)
+    if n >= 0:
+        STATE['given_back'] += n
+        STATE['timeouts'] = 0
+        return
+    if n == -errno.ETIMEDOUT:  # a thread did not park (and the others waited WAIT_MS): next quiet spell, thrice
+        STATE['timeouts'] += 1
+        if STATE['timeouts'] < MAX_TIMEOUTS:
+            return
+    STATE['lib'] = None
+    log('this sandbox stops giving back the pages it copied: %s' % os.strerror(-n))
