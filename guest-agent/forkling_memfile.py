@@ -51,8 +51,7 @@ def _load(log):
 
 def remap(log):
     """In the zygote, once, after gc.freeze(): the template's memory made the file's.
-    A failure leaves the process as it was (reclaim off), but one part-way
-    through mapping (EBUSY), after which it cannot go on."""
+    A failure leaves the process as it was (reclaim off)."""
     if os.environ.get('FORKLING_PROCESS_RECLAIM') != '1' or STATE['lib'] is not None:
         return
     lib = _load(log)
@@ -65,15 +64,24 @@ def remap(log):
     n = lib.fr_remap(st, ctypes.addressof(buf), SCRATCH, WAIT_MS)
     del buf
     scratch.close()
-    if n == -errno.EBUSY:
-        log('the template memory could not be mapped back in place: ending')
-        os._exit(70)
     if n < 0:
         log('forks will not give back the pages they copied: making the template memory a file failed: %s'
             % os.strerror(-n))
         state.close()
         return
     STATE.update(lib=lib, state=state, st=st, fd=lib.fr_fd(st))
+
+
+def after_fork():
+    """In a new fork or branch, before sandbox code runs: an open file description of the
+    file of its own (through /proc: the same file), so that siblings share no file offset
+    or flags through it (a channel between sandboxes)."""
+    fd = STATE['fd']
+    if fd is None:
+        return
+    mine = os.open('/proc/self/fd/%d' % fd, os.O_RDONLY | os.O_CLOEXEC)
+    os.dup2(mine, fd, inheritable=False)
+    os.close(mine)
 
 
 def own_fds():
@@ -101,4 +109,5 @@ def when_idle(activity, idle, log):
         if STATE['timeouts'] < MAX_TIMEOUTS:
             return
     STATE['lib'] = None
-    log('this sandbox stops giving back the pages it copied: %s' % os.strerror(-n))
+    why = 'sandbox code has a handler for SIGRTMAX' if n == -errno.EEXIST else os.strerror(-n)
+    log('this sandbox stops giving back the pages it copied: %s' % why)

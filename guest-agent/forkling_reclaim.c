@@ -29,9 +29,10 @@ int fr_version(void) { return FR_VERSION; }
 
 typedef unsigned long u64;
 #define PAGE 4096UL
-#define FR_MAX_REGIONS 2048
+#define FR_MAX_REGIONS 8192
 #define MAX_TIDS 1024
 #define PARK_SIG 64 /* SIGRTMAX: unused by glibc and CPython */
+#define SLACK (1UL << 40) /* the file's sparse room past its last mapping */
 
 /* What fr_remap made, in memory of its own (the caller's mmap, which it
  * leaves alone); inherited by forks. */
@@ -67,7 +68,7 @@ static long sc(long n, long a, long b, long c, long d, long e, long f) {
 enum {
   NR_read = 0, NR_write = 1, NR_open = 2, NR_close = 3, NR_mmap = 9, NR_rt_sigaction = 13, NR_rt_sigprocmask = 14,
   NR_rt_sigreturn = 15, NR_pread = 17, NR_pwrite = 18, NR_madvise = 28, NR_nanosleep = 35, NR_getpid = 39,
-  NR_fstat = 5, NR_lseek = 8, NR_fcntl = 72, NR_ftruncate = 77, NR_gettid = 186, NR_futex = 202, NR_getdents64 = 217, NR_tgkill = 234,
+  NR_fstat = 5, NR_lseek = 8, NR_munmap = 11, NR_exit_group = 231, NR_fcntl = 72, NR_ftruncate = 77, NR_gettid = 186, NR_futex = 202, NR_getdents64 = 217, NR_tgkill = 234,
   NR_memfd_create = 319,
 };
 #define EINTR 4
@@ -75,12 +76,17 @@ enum {
 #define ENOSPC 28
 #define ETIMEDOUT 110
 #define EIO 5
+#define ESRCH 3
+#define EEXIST 17
 #define EBADF 9
 
 /* ------------------------------------------------------------ parking */
 
-static volatile int parking; /* 1 while a call wants the others parked */
-static volatile int parked;  /* threads in the handler */
+/* In .data, not .bss: the tail of .bss is an anonymous mapping that merges
+ * with its neighbour, which fr_remap would then have to leave out whole. */
+#define DATA __attribute__((section(".data")))
+static volatile int parking DATA; /* 1 while a call wants the others parked */
+static volatile int parked DATA;  /* threads in the handler */
 
 /* rt_sigreturn, for SA_RESTORER (the kernel requires one on x86-64). */
 void fr_restorer(void);
@@ -100,8 +106,13 @@ struct ksigaction { void (*handler)(int); u64 flags; void (*restorer)(void); u64
 #define SA_RESTORER 0x04000000
 #define SA_RESTART 0x10000000
 
+/* Ours for good (a late signal must never meet the default action, which
+ * ends the process); -EEXIST when sandbox code has a handler of its own there. */
 static int install_handler(void) {
-  /* Ours for good (a late signal must never meet the default action, which ends the process). */
+  struct ksigaction old;
+  long r = S4(NR_rt_sigaction, PARK_SIG, 0, &old, 8);
+  if (r < 0) return (int)r;
+  if (old.handler != 0 /* SIG_DFL */ && old.handler != park_handler) return -EEXIST;
   struct ksigaction sa = {park_handler, SA_RESTORER | SA_RESTART, fr_restorer, ~0UL /* all blocked while parked */};
   return (int)S4(NR_rt_sigaction, PARK_SIG, &sa, 0, 8);
 }
@@ -164,9 +175,12 @@ static long park_others(long wait_ms) {
     long before = n;
     if ((r = new_tids(tids, &n, self)) < 0) break;
     if (r == 0 && __atomic_load_n(&parked, __ATOMIC_ACQUIRE) == signalled) return 0; /* all parked, none new */
-    for (long i = before; i < n; i++) {
-      if (S3(NR_tgkill, pid, tids[i], PARK_SIG) == 0) signalled++;
+    for (long i = before; i < n && r >= 0; i++) {
+      long k = S3(NR_tgkill, pid, tids[i], PARK_SIG);
+      if (k == 0) signalled++;
+      else if (k != -ESRCH) r = k; /* (EAGAIN: the queue of pending signals is full) not parked */
     }
+    if (r < 0) break;
     long waited = 0;
     while (__atomic_load_n(&parked, __ATOMIC_ACQUIRE) < signalled && waited < wait_ms) {
       pause_ms(1);
@@ -219,7 +233,7 @@ static int same_page(const char *x, const char *y) {
 struct mapping { u64 start, end; int anon, ok; };
 
 static int vmflags_ok(const char *f) {
-  static const char *const bad[] = {"wf", "dc", "lo", "ht", "io", "pf", "um", "uw", "gd", "sh"};
+  static const char *const bad[] = {"wf", "dc", "lo", "ht", "io", "pf", "um", "uw", "gd", "sh", "ss", "sl", "mm"};
   for (; *f && *f != '\n'; f++) {
     if (*f == ' ') continue;
     for (unsigned i = 0; i < sizeof bad / sizeof bad[0]; i++)
@@ -255,7 +269,8 @@ static int next_mapping(const char **s, struct mapping *m, u64 skip[][2], int ns
   while (name > line && name[-1] != ' ') name--;
   if (*p) p++;
   m->anon = !*name || *name == '\n' || starts(name, "[heap]") || starts(name, "[anon:");
-  m->ok = perm[0] == 'r' && perm[1] == 'w' && perm[3] == 'p' && (m->anon || *name == '/');
+  /* (not executable: the file is mapped read-write only) */
+  m->ok = perm[0] == 'r' && perm[1] == 'w' && perm[2] == '-' && perm[3] == 'p' && (m->anon || *name == '/');
   for (int i = 0; i < nskip; i++)
     if (m->start < skip[i][1] && m->end > skip[i][0]) m->ok = 0;
   /* the fields up to the next mapping: VmFlags is the last */
@@ -286,46 +301,68 @@ static int in(u64 x, u64 a, u64 b) { return x >= a && x < b; }
 
 /* ------------------------------------------------------------- remap */
 
-/* Maps each page of the file's data here (a read): a fork that maps one
- * then shares it with us, and so does not count it as its own (smaps counts
- * a page cache page that one process alone maps as that process's). */
-static void touch_data(const struct fr_state *st) {
-  for (long i = 0; i < st->nr; i++) {
-    const struct fr_region *g = &st->r[i];
-    u64 end = g->off + (g->end - g->start);
-    for (long pos = (long)g->off; pos < (long)end;) {
-      long data = S3(NR_lseek, st->fd, pos, 3 /* SEEK_DATA */);
-      if (data < 0 || data >= (long)end) break;
-      long hole = S3(NR_lseek, st->fd, data, 4 /* SEEK_HOLE */);
-      if (hole < 0 || hole > (long)end) hole = (long)end;
-      for (long at = data; at < hole; at += (long)PAGE) (void)*(volatile const char *)(g->start + ((u64)at - g->off));
-      pos = hole;
-    }
-  }
+static u64 thread_pointer(void) {
+  u64 tp;
+  __asm__("mov %%fs:0, %0" : "=r"(tp));
+  return tp;
 }
 
-/* With the others parked: copies each mapping to make the file's into a
- * new memfd (anonymous memory: present or swapped non-zero pages; a file's
- * private mapping: every non-zero page), seals it, maps it over each, and a
- * fd kept open. Returns the bytes written to the file, or -errno
- * (nothing changed: every mapping is remapped only once the file is sealed;
- * a failure part-way through the mapping is -EBUSY: the process cannot go
- * on). scratch: room for /proc/self/smaps; st: fr_state_size() bytes. */
+/* A run of pages to make the file's: [start, end) at file offset off. */
+static int add_run(struct fr_state *st, u64 a, u64 b, u64 off) {
+  if (st->nr && st->r[st->nr - 1].end == a && st->r[st->nr - 1].off + (a - st->r[st->nr - 1].start) == off) {
+    st->r[st->nr - 1].end = b;
+    return 0;
+  }
+  if (st->nr == FR_MAX_REGIONS) return -ENOSPC;
+  st->r[st->nr].start = a;
+  st->r[st->nr].end = b;
+  st->r[st->nr].off = off;
+  st->nr++;
+  return 0;
+}
+
+/* After a failed mmap over a run, which may have unmapped it: the run as
+ * anonymous memory again, its bytes read back from the file (all are there).
+ * Can this fail too, the process cannot go on: it ends, the others parked. */
+static void restore_run(long fd, const struct fr_region *g) {
+  long got = S6(NR_mmap, g->start, g->end - g->start, 3, 0x22 | 0x10 /* PRIVATE | ANONYMOUS | FIXED */, -1, 0);
+  for (u64 p = g->start; got == (long)g->start && p < g->end; p += PAGE)
+    if (S4(NR_pread, fd, p, PAGE, g->off + (p - g->start)) != (long)PAGE) got = -1;
+  if (got != (long)g->start) S1(NR_exit_group, 70);
+}
+
+/* With the others parked: copies the pages of this process's own (anonymous:
+ * present or swapped, non-zero) of each mapping to make the file's into a
+ * new memfd, seals it, and maps it over runs of those pages only: untouched
+ * memory stays anonymous (a hole of the file read through a private mapping
+ * would add a page to the file, for every fork), and a file's own pages stay
+ * that file's (never read here: no file faulted in, nothing past its end).
+ * Gaps of a few untouched pages in anonymous memory are copied as zeros
+ * (fewer mappings). The file keeps a sparse tail past its last mapping. Then
+ * reads each page of the runs (a fork that maps one shares it with us: smaps
+ * counts a page cache page that one process alone maps as that process's).
+ * Returns the bytes written to the file, or -errno with nothing changed; a
+ * run whose mapping fails is made anonymous again with its bytes, and it and
+ * those after it stay as they were. scratch: room for /proc/self/smaps. */
+#define GAP 4 /* pages */
 static long remap_parked(struct fr_state *st, char *scratch, long scratch_len) {
   long n = read_smaps(scratch, scratch_len);
   if (n < 0) return n;
   u64 ent[512];
-  u64 me = (u64)ent, data[2] = {(u64)&parking, (u64)&parked};
-  u64 skip[5][2] = {{(u64)st, (u64)st + sizeof *st}, {(u64)scratch, (u64)scratch + (u64)scratch_len}};
+  u64 own[3] = {(u64)ent, (u64)&parking, thread_pointer()};
+  u64 skip[6][2] = {{(u64)st, (u64)st + sizeof *st}, {(u64)scratch, (u64)scratch + (u64)scratch_len}};
   int nskip = 2;
-  /* and the mappings of our own stack and of this library's data */
+  /* and the mappings of our own stack, this library's data and our thread's TLS */
   struct mapping m;
   const char *s = scratch;
   while (next_mapping(&s, &m, skip, 2)) {
-    if (in(me, m.start, m.end) || in(data[0], m.start, m.end) || in(data[1], m.start, m.end)) {
-      skip[nskip][0] = m.start;
-      skip[nskip][1] = m.end;
-      if (nskip < 4) nskip++;
+    for (int i = 0; i < 3; i++) {
+      if (in(own[i], m.start, m.end) && nskip < 6) {
+        skip[nskip][0] = m.start;
+        skip[nskip][1] = m.end;
+        nskip++;
+        break;
+      }
     }
   }
   int pm = (int)S2(NR_open, "/proc/self/pagemap", 0);
@@ -341,30 +378,36 @@ static long remap_parked(struct fr_state *st, char *scratch, long scratch_len) {
   s = scratch;
   while (r == 0 && next_mapping(&s, &m, skip, nskip)) {
     if (!m.ok) continue;
-    if (st->nr == FR_MAX_REGIONS) break; /* (the rest stay as they are) */
+    u64 run = 0, last = 0; /* the current run's start, and the end of its last page taken (0: none) */
     for (u64 a = m.start; a < m.end && r == 0; a += 512 * PAGE) {
       long k = (long)((m.end - a) / PAGE < 512 ? (m.end - a) / PAGE : 512);
       if ((r = pagemap(pm, a, ent, k)) < 0) break;
-      for (long i = 0; i < k; i++) {
-        const char *p = (const char *)(a + (u64)i * PAGE);
-        if (m.anon && !(ent[i] & (PM_PRESENT | PM_SWAP))) continue;
-        if (is_zero(p)) continue; /* a hole: reads as zeros */
-        long w = S4(NR_pwrite, fd, p, PAGE, off + ((u64)p - m.start));
-        if (w != (long)PAGE) {
-          r = w < 0 ? w : -EIO;
-          break;
+      for (long i = 0; i < k && r == 0; i++) {
+        u64 p = a + (u64)i * PAGE;
+        int mine = (ent[i] & PM_SWAP) || (ent[i] & (PM_PRESENT | PM_FILE)) == PM_PRESENT;
+        if (!mine || is_zero((const char *)p)) continue;
+        if (last && p - last <= GAP * PAGE && m.anon) {
+          for (u64 z = last; z < p && r == 0; z += PAGE) /* (zeros, or untouched: reads as zeros) */
+            if (S4(NR_pwrite, fd, z, PAGE, off + (z - m.start)) != (long)PAGE) r = -EIO;
+        } else if (last) {
+          r = add_run(st, run, last, off + (run - m.start));
+          run = p;
+        } else {
+          run = p;
         }
+        if (r == 0 && S4(NR_pwrite, fd, p, PAGE, off + (p - m.start)) != (long)PAGE) r = -EIO;
         written += PAGE;
+        last = p + PAGE;
       }
     }
-    st->r[st->nr].start = m.start;
-    st->r[st->nr].end = m.end;
-    st->r[st->nr].off = off;
-    st->nr++;
+    if (r == 0 && last) r = add_run(st, run, last, off + (run - m.start));
     off += m.end - m.start;
   }
   S1(NR_close, pm);
-  if (r == 0) r = S2(NR_ftruncate, fd, off);
+  if (r == -ENOSPC) r = 0; /* (runs past the table's room stay as they were) */
+  /* Sparse room past the last mapping: a mapping that grows later (mremap: realloc of a large
+   * malloc chunk) maps offsets past its own, which must read as zeros, not fault (SIGBUS). */
+  if (r == 0) r = S2(NR_ftruncate, fd, off + SLACK);
   /* F_ADD_SEALS: SEAL | SHRINK | GROW | WRITE */
   if (r == 0) r = S3(NR_fcntl, fd, 1033, 1 | 2 | 4 | 8);
   u64 stat[18];
@@ -377,19 +420,17 @@ static long remap_parked(struct fr_state *st, char *scratch, long scratch_len) {
   for (long i = 0; i < st->nr; i++) {
     const struct fr_region *g = &st->r[i];
     long got = S6(NR_mmap, g->start, g->end - g->start, 3 /* READ | WRITE */, 2 | 0x10 /* PRIVATE | FIXED */, fd, g->off);
-    if (got != (long)g->start) {
-      st->nr = i; /* those before are the file's; this one is gone */
-      st->fd = fd;
-      st->dev = stat[0];
-      st->ino = stat[1];
-      return -EBUSY;
+    if (got != (long)g->start) { /* (ENOMEM: the process's limit of mappings) */
+      restore_run(fd, g);
+      st->nr = i;
+      break;
     }
+    for (u64 p = g->start; p < g->end; p += PAGE) (void)*(volatile const char *)p;
   }
   st->size = off;
   st->fd = fd;
   st->dev = stat[0];
   st->ino = stat[1];
-  touch_data(st);
   return (long)written;
 }
 
@@ -407,37 +448,70 @@ long fr_remap(struct fr_state *st, char *scratch, long scratch_len, long wait_ms
 
 /* ----------------------------------------------------------- reclaim */
 
+static u64 dec(const char **s) {
+  u64 v = 0;
+  while (**s >= '0' && **s <= '9') v = v * 10 + (u64)(*(*s)++ - '0');
+  return v;
+}
+
 /* With the others parked: drops each page of this process alone (present,
- * anonymous, exclusive) in the file's mappings whose bytes equal the
- * file's. Skips the mapping of the calling thread's stack. Returns the
- * pages given back, or -errno. */
+ * anonymous, exclusive, not all zeros) in its private mappings of the file
+ * (found again in /proc/self/maps: memory unmapped and mapped anew since the
+ * remap is not the file's) whose bytes equal the file's at that offset.
+ * Skips the mappings of the caller's stack and TLS. Returns the pages given
+ * back, or -errno. */
 static long reclaim_parked(const struct fr_state *st) {
   u64 ent[512], page[512], stat[18];
-  u64 me = (u64)ent;
+  u64 me = (u64)ent, tp = thread_pointer();
   if (S2(NR_fstat, st->fd, stat) < 0 || stat[0] != st->dev || stat[1] != st->ino) return -EBADF;
-  int pm = (int)S2(NR_open, "/proc/self/pagemap", 0);
-  if (pm < 0) return pm;
-  long back = 0, r = 0;
-  for (long i = 0; i < st->nr && r == 0; i++) {
-    const struct fr_region *g = &st->r[i];
-    if (in(me, g->start, g->end)) continue;
-    for (u64 a = g->start; a < g->end && r == 0; a += 512 * PAGE) {
-      long k = (long)((g->end - a) / PAGE < 512 ? (g->end - a) / PAGE : 512);
-      if ((r = pagemap(pm, a, ent, k)) < 0) break;
-      for (long j = 0; j < k; j++) {
+  u64 major = ((st->dev >> 8) & 0xfff) | ((st->dev >> 32) & ~0xfffUL), minor = (st->dev & 0xff) | ((st->dev >> 12) & ~0xffUL);
+  const long len = 4 << 20;
+  long buf = S6(NR_mmap, 0, len, 3, 0x22 /* PRIVATE | ANONYMOUS */, -1, 0);
+  if (buf < 0 && buf > -4096) return buf;
+  char *maps = (char *)buf;
+  long r = 0, back = 0;
+  int fd = (int)S2(NR_open, "/proc/self/maps", 0);
+  long n = 0, k = 0;
+  if (fd < 0) r = fd;
+  while (fd >= 0 && n < len - 1 && (k = S3(NR_read, fd, maps + n, len - 1 - n)) > 0) n += k;
+  if (fd >= 0) S1(NR_close, fd);
+  if (r == 0 && (k < 0 || n >= len - 1)) r = k < 0 ? k : -ENOSPC;
+  maps[n < len ? n : len - 1] = 0;
+  int pm = r == 0 ? (int)S2(NR_open, "/proc/self/pagemap", 0) : -1;
+  if (r == 0 && pm < 0) r = pm;
+  for (const char *s = maps; r == 0 && *s;) {
+    u64 a = hex(&s);
+    s++;
+    u64 b = hex(&s);
+    s++;
+    const char *perm = s;
+    s += 5;
+    u64 off = hex(&s);
+    s++;
+    u64 dmaj = hex(&s);
+    s++;
+    u64 dmin = hex(&s);
+    s++;
+    u64 ino = dec(&s);
+    while (*s && *s != '\n') s++;
+    if (*s) s++;
+    if (perm[0] != 'r' || perm[1] != 'w' || perm[3] != 'p' || ino != st->ino || dmaj != major || dmin != minor) continue;
+    if (in(me, a, b) || in(tp, a, b)) continue;
+    for (u64 c = a; c < b && r == 0; c += 512 * PAGE) {
+      long cnt = (long)((b - c) / PAGE < 512 ? (b - c) / PAGE : 512);
+      if ((r = pagemap(pm, c, ent, cnt)) < 0) break;
+      for (long j = 0; j < cnt; j++) {
         if ((ent[j] & (PM_PRESENT | PM_FILE | PM_EXCLUSIVE)) != (PM_PRESENT | PM_EXCLUSIVE)) continue;
-        const char *p = (const char *)(a + (u64)j * PAGE);
-        /* (a hole reads as zeros and stays a hole) */
-        if (S4(NR_pread, st->fd, page, PAGE, g->off + ((u64)p - g->start)) != (long)PAGE) {
-          r = -EIO;
-          break;
-        }
+        const char *p = (const char *)(c + (u64)j * PAGE);
+        if (is_zero(p)) continue; /* (dropped, it would read the file's hole: a page added to the file) */
+        if (S4(NR_pread, st->fd, page, PAGE, off + ((u64)p - a)) != (long)PAGE) continue;
         if (!same_page(p, (const char *)page)) continue;
         if (S3(NR_madvise, p, PAGE, 4 /* MADV_DONTNEED */) == 0) back++;
       }
     }
   }
-  S1(NR_close, pm);
+  if (pm >= 0) S1(NR_close, pm);
+  S2(NR_munmap, buf, len);
   return r < 0 ? r : back;
 }
 

@@ -887,6 +887,7 @@ def _after_setup(ch, new_upper, inherited):
     STATE['pidns_fd'] = os.open('/proc/self/ns/pid', os.O_RDONLY | os.O_CLOEXEC)
     STATE['plan'] = None  # made again, for this sandbox's own mounts, at its first branch
     os.environ['FORKLING_SANDBOX_ID'] = ch['id']  # (FORKLING_PROCESS_ROLE is sandbox already)
+    forkling_memfile.after_fork()
 
 
 def _rebuild_agent(agent, ch, reset, inherited):

@@ -25,6 +25,40 @@ def private_kib():
         return sum(int(line.split()[1]) for line in f if line.startswith('Private_Dirty'))
 
 
+LIBC = ctypes.CDLL(None, use_errno=True)
+LIBC.mmap.restype = ctypes.c_void_p
+LIBC.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+LIBC.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+LIBC.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+
+
+def apart(pages, fill):
+    """A private anonymous mapping of pages + 1 whose first page is made read-only: kept apart
+    from what is mapped next to it (adjacent anonymous mappings merge, and the state and
+    scratch fr_remap is given are left out with whatever merged with them). Its other pages are
+    filled with `fill` (None: untouched but the first). Returns the address of the first of them."""
+    at = LIBC.mmap(None, (pages + 1) * PAGE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    ctypes.memset(at + PAGE, 0x0c if fill is None else fill, PAGE if fill is None else pages * PAGE)
+    if LIBC.mprotect(at, PAGE, mmap.PROT_READ) != 0:
+        raise OSError(ctypes.get_errno(), 'mprotect')
+    return at + PAGE
+
+
+def mapping_of(at):
+    """(permissions, path) of the mapping holding address `at`."""
+    with open('/proc/self/maps') as f:
+        for line in f:
+            parts = line.split()
+            a, b = (int(x, 16) for x in parts[0].split('-'))
+            if a <= at < b:
+                return parts[1], parts[5] if len(parts) > 5 else ''
+    return None
+
+
+def file_kib(fd):
+    return os.fstat(fd).st_blocks // 2
+
+
 class Toggler:
     """A thread that puts a marker into each page of a buffer made before the
     remap and takes it out again, checking each time: a write lost between a
@@ -87,15 +121,40 @@ class ReclaimTest(unittest.TestCase):
         self.assertLess(report['private_after'], report['private_before'], report)
         self.assertEqual(report['sealed'], {'write': 'EPERM', 'grow': 'EPERM', 'shrink': 'EPERM', 'map_shared_writable': 'EPERM'}, report)
         self.assertEqual(report['swapped_fd'], -errno.EBADF, report)
+        self.assertEqual(report['grown'], (b'\x09', b'\x00'), report)
+        kinds = report['kinds']
+        memfd = '/memfd:forkling-template'
+        self.assertEqual([kinds[k][1] for k in ('region', 'sparse')], [memfd, memfd], report)
+        self.assertEqual(kinds['sparse_untouched'][1], '', report)  # (still anonymous)
+        self.assertEqual(kinds['rwx'], ('rwxp', ''), report)
+        self.assertNotEqual(kinds['short'][1], '', report)
+        self.assertFalse(kinds['short_past_end'][1].startswith(memfd), report)
+        self.assertEqual(report['untouched_grew_kib'], 0, report)
+        self.assertTrue(report['mapped_anew_kept'], report)
+        self.assertEqual((report['short'], report['rwx']), (b'\x0d', b'\xc3'), report)
 
     def _child(self):
         lib = ctypes.CDLL(SO)
+        self.region_at = apart(16, 0x09)  # grown by _grown
+        self.again_at = apart(16, 0x0b)  # unmapped and mapped anew by a fork
+        self.sparse_at = apart(64, None)  # one page written: the other 63 untouched
+        # executable: left as it is (a copy would lose PROT_EXEC)
+        self.rwx_at = LIBC.mmap(None, PAGE, 7, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        ctypes.memset(self.rwx_at, 0xc3, PAGE)
+        # a file's private mapping running past the file's end: its page past the end never read
+        fd = os.open(os.path.join(os.environ.get('TMPDIR', '/tmp'), 'reclaim-short-%d' % os.getpid()), os.O_RDWR | os.O_CREAT, 0o600)
+        os.ftruncate(fd, PAGE)
+        self.short_at = LIBC.mmap(None, 2 * PAGE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE, fd, 0)
+        os.unlink('/proc/self/fd/%d' % fd) if False else os.unlink(os.readlink('/proc/self/fd/%d' % fd))
+        os.close(fd)
+        ctypes.memset(self.short_at, 0x0d, PAGE)
         lib.fr_remap.restype = lib.fr_reclaim.restype = lib.fr_state_size.restype = ctypes.c_long
         state = mmap.mmap(-1, lib.fr_state_size(), flags=mmap.MAP_PRIVATE)
         scratch = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE)
         st = ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(state)))
         # Made before the remap: it is the file's; non-zero, so it is in the file.
         bufs = [bytearray(b'\x07' * (64 * PAGE)) for _ in range(3)]
+
         ballast = [str(i) * 50 for i in range(20000)]  # objects a fork touches and leaves as they were
         togglers = [Toggler(b, i) for i, b in enumerate(bufs)]
         for t in togglers:
@@ -109,6 +168,9 @@ class ReclaimTest(unittest.TestCase):
             t.stop.set()
             t.thread.join()
         errors = [e for t in togglers for e in t.errors]
+        self.kinds = {'region': mapping_of(self.region_at), 'sparse': mapping_of(self.sparse_at),
+                      'sparse_untouched': mapping_of(self.sparse_at + PAGE), 'rwx': mapping_of(self.rwx_at),
+                      'short': mapping_of(self.short_at), 'short_past_end': mapping_of(self.short_at + PAGE)}
         # a fork of the remapped process (as the fork server's children): its copies given back
         r, w = os.pipe()
         pid = os.fork()
@@ -128,6 +190,7 @@ class ReclaimTest(unittest.TestCase):
         report = eval(data.decode())  # noqa: S307
         report['errors'] = errors + report['errors']
         report['file_kib'] = written // 1024
+        report['kinds'] = self.kinds
         return report
 
     def _grandchild(self, lib, st, bufs, ballast):
@@ -159,13 +222,43 @@ class ReclaimTest(unittest.TestCase):
                 errors.append('a buffer changed')
         if ballast[12345] != '12345' * 50:
             errors.append('an object changed')
+        grown = self._grown()
         sealed, fd = self._sealed()
+        # untouched memory stays anonymous: touching it now adds nothing to the file
+        blocks = file_kib(fd)
+        ctypes.memset(self.sparse_at, 0x0e, 64 * PAGE)
+        untouched_grew = file_kib(fd) - blocks
+        # memory unmapped and mapped anew (as heaps and arenas are) with the file's bytes: not the file's
+        # any more, so never dropped (it would read zeros)
+        LIBC.munmap(self.again_at, 16 * PAGE)
+        LIBC.mmap(self.again_at, 16 * PAGE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10, -1, 0)
+        ctypes.memset(self.again_at, 0x0b, 16 * PAGE)
+        lib.fr_reclaim(st, ctypes.c_long(2000))
+        again = ctypes.string_at(self.again_at, 16 * PAGE) == b'\x0b' * (16 * PAGE)
         # sandbox code that puts another file at the fd's number: refused, nothing compared with it
         other = os.open('/dev/zero', os.O_RDONLY)
         os.dup2(other, fd)
         swapped = lib.fr_reclaim(st, ctypes.c_long(2000))
         return {'given_back': given, 'private_before': before, 'private_after': after, 'errors': errors,
-                'rounds': min(t.rounds for t in togglers), 'sealed': sealed, 'swapped_fd': swapped}
+                'rounds': min(t.rounds for t in togglers), 'sealed': sealed, 'swapped_fd': swapped, 'grown': grown,
+                'untouched_grew_kib': untouched_grew, 'mapped_anew_kept': again,
+                'short': ctypes.string_at(self.short_at, 1), 'rwx': ctypes.string_at(self.rwx_at, 1)}
+
+    def _grown(self):
+        """A mapping of the file grown far past the file's data (mremap, as realloc grows a large
+        chunk) reads zeros there: no SIGBUS past the end of the file."""
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mremap.restype = ctypes.c_void_p
+        libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]
+        at = self.region_at
+        with open('/proc/self/maps') as f:
+            if not any('forkling-template' in line for line in f if int(line.split('-')[0], 16) <= at < int(line.split()[0].split('-')[1], 16)):
+                return 'not the file\'s'
+        size = 4 << 30
+        new = libc.mremap(at, 16 * PAGE, size, 1)  # MREMAP_MAYMOVE
+        if new in (None, ctypes.c_void_p(-1).value):
+            return 'mremap: ' + errno.errorcode[ctypes.get_errno()]
+        return (ctypes.c_char.from_address(new).value, ctypes.c_char.from_address(new + size - PAGE).value)
 
     @staticmethod
     def _sealed():

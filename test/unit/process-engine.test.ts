@@ -484,12 +484,13 @@ test("an idle fork gives back its copies of the template's bytes (reclaim); what
       a.agent,
       'import os, errno\n' +
         'fd = next(int(n) for n in os.listdir("/proc/self/fd") if "forkling-template" in (os.readlink("/proc/self/fd/" + n) if os.path.exists("/proc/self/fd/" + n) else ""))\n' +
-        'out = []\n' +
+        'import fcntl\nout = [fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY]  # its own, read-only (no offset shared with siblings)\n' +
+        'fd = os.open("/proc/self/fd/%d" % fd, os.O_RDWR)  # (opened again for writing)\n' +
         'for f in (lambda: os.pwrite(fd, b"x", 0), lambda: os.ftruncate(fd, 0), lambda: os.ftruncate(fd, 1 << 40)):\n' +
         '    try:\n        f(); out.append("done")\n    except OSError as e:\n        out.append(errno.errorcode[e.errno])\n' +
         'out',
-    )) as string[];
-    assert.equal(sealed, ['EPERM', 'EPERM', 'EPERM']);
+    )) as (string | boolean)[];
+    assert.equal(sealed, [true, 'EPERM', 'EPERM', 'EPERM']);
   });
   // off: no file, nothing given back
   const off = new ProcessEngine({ warn: () => {}, pidsPerSandbox: 64, reclaim: false });
