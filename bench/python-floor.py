@@ -8,10 +8,11 @@ its row says, then waits; the parent reads each child's
 Private_* from smaps_rollup while they all live. Batches of N: pages the
 parent writes after a fork are shared by the whole batch, not one child's.
 
-With the path of bench/python-reclaim.c built (argument 2), two more rows,
-after the parent's memory is made a file's (fr_remap): a child that serves
-one request and whose thread has ended, without and with
-fr_reclaim_and_wait (its pages equal to the file's given back) as it waits."""
+With the path of the process engine's guest-agent/forkling_reclaim.so
+(argument 2), two more rows, after the parent's memory is made a file's
+(fr_remap): a child that serves one request and whose thread has ended,
+without and with fr_reclaim (its pages equal to the file's given back)
+before it waits."""
 
 import ast
 import ctypes
@@ -73,7 +74,7 @@ MODES = [
 ]
 RECLAIM_MODES = [
     ("parent's memory a file's: fork, a thread serves one request and ends", 'serve-end'),
-    ('the same, then gives back its pages equal to the file and waits (fr_reclaim_and_wait)', 'serve-end-reclaim'),
+    ('the same, then gives back its pages equal to the file (fr_reclaim) and waits', 'serve-end-reclaim'),
 ]
 warm = {}
 evaluate('1 + 1', warm)  # caches filled in the parent, as the zygote's rehearsal does
@@ -83,13 +84,15 @@ remap = None
 for title, mode in MODES + (RECLAIM_MODES if RECLAIM_SO else []):
     if mode == 'serve-end':  # (the last rows: the parent stays a file's)
         lib = ctypes.CDLL(RECLAIM_SO)
-        state = mmap.mmap(-1, 1 << 20)  # (mappings of its own: not made a file's)
-        scratch = mmap.mmap(-1, 4 << 20)
+        for fn in (lib.fr_remap, lib.fr_reclaim, lib.fr_state_size):
+            fn.restype = ctypes.c_long
+        state = mmap.mmap(-1, lib.fr_state_size(), flags=mmap.MAP_PRIVATE)  # (mappings of its own: not made a file's)
+        scratch = mmap.mmap(-1, 32 << 20, flags=mmap.MAP_PRIVATE)
         state_p = ctypes.addressof(ctypes.c_char.from_buffer(state))
         before = private_kib(os.getpid())
         t0 = time.monotonic()
         copied = lib.fr_remap(ctypes.c_void_p(state_p), ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(scratch))),
-                              ctypes.c_long(len(scratch)))
+                              ctypes.c_long(len(scratch)), ctypes.c_long(200))
         if copied < 0:
             raise OSError(-copied, 'fr_remap: ' + os.strerror(-copied))
         remap = {'ms': round((time.monotonic() - t0) * 1000, 1), 'file_kib': copied // 1024,
@@ -114,13 +117,11 @@ for title, mode in MODES + (RECLAIM_MODES if RECLAIM_SO else []):
             elif serving:
                 (req_r, _), (_, res_w) = pairs[i]
                 serve_then_end(req_r, res_w)
-                if mode.endswith('reclaim'):  # (writes the count and waits for the gate itself)
-                    back = lib.fr_reclaim_and_wait(ctypes.c_void_p(state_p), ready_w, gate_r)
-                    if back < 0:
-                        os._exit(4)
-                else:
-                    os.write(ready_w, struct.pack('i', 0))
-                    os.read(gate_r, 1)
+                back = lib.fr_reclaim(ctypes.c_void_p(state_p), ctypes.c_long(200)) if mode.endswith('reclaim') else 0
+                if back < 0:
+                    os._exit(4)
+                os.write(ready_w, struct.pack('i', back))
+                os.read(gate_r, 1)
                 os._exit(0 if evaluate('int(numpy.arange(10).sum())', {'numpy': numpy}) == 45 else 3)  # all still there
             else:
                 os.write(ready_w, b'x')

@@ -3,14 +3,11 @@
 // the image's python3 in a cold-booted sandbox of the image `numpy`). A
 // child that takes one request in a thread and evaluates it cannot cost
 // less than the last row, whatever the agent around it does. Two more rows
-// measure a prototype (bench/python-reclaim.c, built here with $CC or cc):
-// the parent's memory made a file's, and a child giving back its pages that
-// equal the file's, as the KVM engine's reclaim does.
+// measure the process engine's reclaim on it (guest-agent/forkling_reclaim.so,
+// built by npm run build:native): the parent's memory made a file's, and a
+// child giving back its pages that equal the file's.
 //   npx tsx bench/python-floor.ts [--n 10]
-import { spawnSync } from 'node:child_process';
-import { mkdtempSync, readFileSync, rmSync } from 'node:fs';
-import { tmpdir } from 'node:os';
-import { join } from 'node:path';
+import { existsSync, readFileSync } from 'node:fs';
 import { ProcessEngine } from '../host/engine/process/engine.ts';
 import { buildImage, imageExists, loadImage } from '../host/images.ts';
 
@@ -23,20 +20,16 @@ if (!imageExists('numpy')) {
   await buildImage({ name: 'numpy', extras: ['python3-numpy'], ifMissing: true });
 }
 const rootfs = loadImage('numpy').rootfs;
-// Freestanding (no libc): it loads into the image's python whatever this host's libc is.
-const buildDir = mkdtempSync(join(tmpdir(), 'forkling-reclaim-'));
-const so = join(buildDir, 'python-reclaim.so');
-const cc = spawnSync(process.env.CC ?? 'cc', ['-O2', '-shared', '-fPIC', '-nostdlib', '-fno-stack-protector', '-z', 'defs', '-o', so,
-  new URL('./python-reclaim.c', import.meta.url).pathname], { encoding: 'utf8' });
-if (cc.status !== 0) console.error(`python-reclaim.c did not build (${cc.error?.message ?? cc.stderr.trim()}): its rows are left out`);
+const reclaimSo = new URL('../guest-agent/forkling_reclaim.so', import.meta.url).pathname;
+if (!existsSync(reclaimSo)) console.error(`${reclaimSo} is not built (npm run build:native): its rows are left out`);
 const engine = new ProcessEngine({ rootfsOf: async () => rootfs });
 try {
   const box = await engine.boot({ image: 'numpy' });
   await box.agent.writeFile('/tmp/python-floor.py', readFileSync(new URL('./python-floor.py', import.meta.url)));
   const argv = ['python3', '/tmp/python-floor.py', String(N)];
-  if (cc.status === 0) {
-    await box.agent.writeFile('/tmp/python-reclaim.so', readFileSync(so));
-    argv.push('/tmp/python-reclaim.so');
+  if (existsSync(reclaimSo)) {
+    await box.agent.writeFile('/tmp/forkling_reclaim.so', readFileSync(reclaimSo));
+    argv.push('/tmp/forkling_reclaim.so');
   }
   const r = await box.agent.exec(argv, { timeoutMs: 120_000 });
   if (r.exitCode !== 0) throw new Error(`python-floor.py failed (${r.exitCode}): ${new TextDecoder().decode(r.stderr)}`);
@@ -58,5 +51,4 @@ try {
   await box.kill();
 } finally {
   await engine.close();
-  rmSync(buildDir, { recursive: true, force: true });
 }

@@ -6,8 +6,7 @@ The zygote calls remap() once, last thing before its first fork: its private
 memory becomes a sealed memfd's, mapped MAP_PRIVATE where it was. Every fork
 inherits that (and the state below); its service thread calls
 when_idle() on each quiet tick, which gives back the fork's own pages equal
-to the file once the sandbox has been idle a whole tick since its last
-request. Off unless the host sets FORKLING_PROCESS_RECLAIM=1 (the engine's
+to the file once the sandbox has been idle 2 s since its last request. Off unless the host sets FORKLING_PROCESS_RECLAIM=1 (the engine's
 option `reclaim`, on by default).
 """
 
@@ -28,8 +27,12 @@ STATE = {
     'seen': -1,       # the agent's request count at the last tick
     'done_at': -1,    # ... and at the last reclaim
     'timeouts': 0,    # reclaims in a row that gave up: a thread did not park
+    'quiet': 0,       # quiet ticks in a row, idle
 }
 MAX_TIMEOUTS = 3
+# Quiet ticks (0.5 s each) before a reclaim: 2 s idle. Not sooner: a reclaim costs the CPU of a
+# fraction of a fork, and the first children of a large fork would reclaim while the rest are made.
+QUIET_TICKS = 4
 
 
 def _load(log):
@@ -89,14 +92,14 @@ def own_fds():
 
 
 def when_idle(activity, idle, log):
-    """A service thread's quiet tick: `activity` is the agent's request count,
-    `idle` whether nothing runs. Gives back once per quiet spell."""
+    """A service thread's quiet tick: `activity` is the agent's count of client frames,
+    `idle` whether nothing runs. Gives back once per quiet spell of QUIET_TICKS."""
     lib = STATE['lib']
     if lib is None:
         return
-    quiet = activity == STATE['seen']
+    STATE['quiet'] = STATE['quiet'] + 1 if activity == STATE['seen'] and idle else 0
     STATE['seen'] = activity
-    if not quiet or activity == STATE['done_at'] or not idle:
+    if STATE['quiet'] < QUIET_TICKS or activity == STATE['done_at']:
         return
     STATE['done_at'] = activity
     n = lib.fr_reclaim(STATE['st'], WAIT_MS)

@@ -59,6 +59,32 @@ def file_kib(fd):
     return os.fstat(fd).st_blocks // 2
 
 
+def in_fork(fn):
+    """fn() in a fork of this process: (its wait status, its result, or the error it raised, as text)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        code = 1
+        try:
+            os.write(w, repr(fn()).encode())
+            code = 0
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            os.write(w, ('%s: %s' % (type(e).__name__, e)).encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    out = b''
+    while True:
+        chunk = os.read(r, 65536)
+        if not chunk:
+            break
+        out += chunk
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    return status, eval(out.decode()) if status == 0 else out.decode()  # noqa: S307 - our own fork's repr
+
+
 class Toggler:
     """A thread that puts a marker into each page of a buffer made before the
     remap and takes it out again, checking each time: a write lost between a
@@ -90,30 +116,8 @@ class Toggler:
 class ReclaimTest(unittest.TestCase):
     def test_remap_and_reclaim_lose_nothing(self):
         # In a fork of the test process: the remap changes the whole process for good.
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(r)
-            code = 1
-            try:
-                report = self._child()
-                os.write(w, repr(report).encode())
-                code = 0
-            except BaseException as e:  # noqa: BLE001 - reported to the parent
-                os.write(w, ('error %s: %s' % (type(e).__name__, e)).encode())
-            finally:
-                os._exit(code)
-        os.close(w)
-        out = b''
-        while True:
-            chunk = os.read(r, 65536)
-            if not chunk:
-                break
-            out += chunk
-        os.close(r)
-        _, status = os.waitpid(pid, 0)
-        self.assertEqual(status, 0, out.decode())
-        report = eval(out.decode())  # noqa: S307 - our own child's repr
+        status, report = in_fork(self._child)
+        self.assertEqual(status, 0, report)
         self.assertGreater(report['file_kib'], 1024, report)
         self.assertGreater(report['given_back'], 0, report)
         self.assertEqual(report['errors'], [], report)
@@ -172,22 +176,9 @@ class ReclaimTest(unittest.TestCase):
                       'sparse_untouched': mapping_of(self.sparse_at + PAGE), 'rwx': mapping_of(self.rwx_at),
                       'short': mapping_of(self.short_at), 'short_past_end': mapping_of(self.short_at + PAGE)}
         # a fork of the remapped process (as the fork server's children): its copies given back
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(r)
-            out = self._grandchild(lib, st, bufs, ballast)
-            os.write(w, repr(out).encode())
-            os._exit(0)
-        os.close(w)
-        data = b''
-        while True:
-            chunk = os.read(r, 65536)
-            if not chunk:
-                break
-            data += chunk
-        os.waitpid(pid, 0)
-        report = eval(data.decode())  # noqa: S307
+        status, report = in_fork(lambda: self._grandchild(lib, st, bufs, ballast))
+        if status != 0:
+            raise RuntimeError('the fork ended with status %d: %s' % (status, report))
         report['errors'] = errors + report['errors']
         report['file_kib'] = written // 1024
         report['kinds'] = self.kinds

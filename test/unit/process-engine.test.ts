@@ -475,7 +475,7 @@ test("an idle fork gives back its copies of the template's bytes (reclaim); what
         .filter((l) => l.startsWith('Private'))
         .reduce((t, l) => t + Number(l.split(/\s+/)[1]), 0);
     const busy = priv();
-    // idle: a whole quiet tick (0.5-1 s) of its service thread, then it gives back
+    // idle 2 s (four quiet ticks of its service thread), then it gives back
     assert.ok(await pollUntil(() => priv() < busy - 256, 10000, 200), `gave back (was ${busy} KiB, now ${priv()})`);
     assert.equal(await val(a.agent, '(sum(len(x) for x in BIG) == TOTAL, MINE["k"][-1], BIG[123456])'), [true, 999, '123456'.repeat(20)]);
     assert.equal(await val(b.agent, '(len(BIG), TOTAL == sum(len(x) for x in BIG), "MINE" in globals())'), [200000, true, false]);
