@@ -72,7 +72,10 @@ def remap(log):
             % os.strerror(-n))
         state.close()
         return
-    STATE.update(lib=lib, state=state, st=st, fd=lib.fr_fd(st))
+    fd = lib.fr_fd(st)
+    if fd < 0:  # (nothing was made the file's)
+        return
+    STATE.update(lib=lib, state=state, st=st, fd=fd)
 
 
 def after_fork():

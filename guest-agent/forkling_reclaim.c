@@ -32,7 +32,6 @@ typedef unsigned long u64;
 #define FR_MAX_REGIONS 8192
 #define MAX_TIDS 1024
 #define PARK_SIG 64 /* SIGRTMAX: unused by glibc and CPython */
-#define SLACK (1UL << 40) /* the file's sparse room past its last mapping */
 
 /* What fr_remap made, in memory of its own (the caller's mmap, which it
  * leaves alone); inherited by forks. */
@@ -68,7 +67,7 @@ static long sc(long n, long a, long b, long c, long d, long e, long f) {
 enum {
   NR_read = 0, NR_write = 1, NR_open = 2, NR_close = 3, NR_mmap = 9, NR_rt_sigaction = 13, NR_rt_sigprocmask = 14,
   NR_rt_sigreturn = 15, NR_pread = 17, NR_pwrite = 18, NR_madvise = 28, NR_nanosleep = 35, NR_getpid = 39,
-  NR_fstat = 5, NR_lseek = 8, NR_munmap = 11, NR_exit_group = 231, NR_fcntl = 72, NR_ftruncate = 77, NR_gettid = 186, NR_futex = 202, NR_getdents64 = 217, NR_tgkill = 234,
+  NR_fstat = 5, NR_lseek = 8, NR_munmap = 11, NR_msync = 26, NR_exit_group = 231, NR_fcntl = 72, NR_ftruncate = 77, NR_gettid = 186, NR_futex = 202, NR_getdents64 = 217, NR_tgkill = 234,
   NR_memfd_create = 319,
 };
 #define EINTR 4
@@ -78,6 +77,8 @@ enum {
 #define EIO 5
 #define ESRCH 3
 #define EEXIST 17
+#define ENOENT 2
+#define ENOMEM 12
 #define EBADF 9
 
 /* ------------------------------------------------------------ parking */
@@ -85,6 +86,8 @@ enum {
 /* In .data, not .bss: the tail of .bss is an anonymous mapping that merges
  * with its neighbour, which fr_remap would then have to leave out whole. */
 #define DATA __attribute__((section(".data")))
+#define FUTEX_WAIT (0 | 128) /* FUTEX_PRIVATE_FLAG */
+#define FUTEX_WAKE (1 | 128)
 static volatile int parking DATA; /* 1 while a call wants the others parked */
 static volatile int parked DATA;  /* threads in the handler */
 
@@ -96,10 +99,10 @@ static void park_handler(int sig) {
   (void)sig;
   if (!__atomic_load_n(&parking, __ATOMIC_ACQUIRE)) return; /* late: nothing to wait for */
   __atomic_add_fetch(&parked, 1, __ATOMIC_ACQ_REL);
-  S3(NR_futex, &parked, 1 /* WAKE */, 1);
-  while (__atomic_load_n(&parking, __ATOMIC_ACQUIRE)) S4(NR_futex, &parking, 0 /* WAIT */, 1, 0);
+  S3(NR_futex, &parked, FUTEX_WAKE, 1);
+  while (__atomic_load_n(&parking, __ATOMIC_ACQUIRE)) S4(NR_futex, &parking, FUTEX_WAIT, 1, 0);
   __atomic_sub_fetch(&parked, 1, __ATOMIC_ACQ_REL);
-  S3(NR_futex, &parked, 1, 1);
+  S3(NR_futex, &parked, FUTEX_WAKE, 1);
 }
 
 struct ksigaction { void (*handler)(int); u64 flags; void (*restorer)(void); u64 mask; };
@@ -158,7 +161,7 @@ static long new_tids(int *tids, long *n, int self) {
 
 static void unpark(void) {
   __atomic_store_n(&parking, 0, __ATOMIC_RELEASE);
-  S3(NR_futex, &parking, 1, 0x7fffffff);
+  S3(NR_futex, &parking, FUTEX_WAKE, 0x7fffffff);
   for (int i = 0; i < 2000 && __atomic_load_n(&parked, __ATOMIC_ACQUIRE) > 0; i++) pause_ms(1);
 }
 
@@ -278,6 +281,11 @@ static int next_mapping(const char **s, struct mapping *m, u64 skip[][2], int ns
     const char *l = p;
     while (*p && *p != '\n') p++;
     if (*p) p++;
+    if (starts(l, "ProtectionKey:")) {
+      const char *q = l + 14;
+      while (*q == ' ') q++;
+      if (*q != '0') m->ok = 0; /* (a key may forbid our reads) */
+    }
     if (starts(l, "VmFlags:")) {
       if (!vmflags_ok(l + 8)) m->ok = 0;
       break;
@@ -321,30 +329,64 @@ static int add_run(struct fr_state *st, u64 a, u64 b, u64 off) {
   return 0;
 }
 
-/* After a failed mmap over a run, which may have unmapped it: the run as
- * anonymous memory again, its bytes read back from the file (all are there).
- * Can this fail too, the process cannot go on: it ends, the others parked. */
+/* After a failed mmap over a run: if the kernel unmapped (part of) it, the
+ * run as anonymous memory again, its bytes read back from the file (all are
+ * there). Can this fail too, the process cannot go on: it ends, the others
+ * parked. (A refused mmap, ENOMEM at the limit of mappings, unmaps nothing.) */
 static void restore_run(long fd, const struct fr_region *g) {
+  if (S3(NR_msync, g->start, g->end - g->start, 1 /* MS_ASYNC */) != -ENOMEM) return; /* still mapped */
   long got = S6(NR_mmap, g->start, g->end - g->start, 3, 0x22 | 0x10 /* PRIVATE | ANONYMOUS | FIXED */, -1, 0);
   for (u64 p = g->start; got == (long)g->start && p < g->end; p += PAGE)
     if (S4(NR_pread, fd, p, PAGE, g->off + (p - g->start)) != (long)PAGE) got = -1;
   if (got != (long)g->start) S1(NR_exit_group, 70);
 }
 
+/* The length of the glibc mmapped malloc chunk that starts at page p of an
+ * anonymous mapping ending at b (its prev_size word 0, its size word its
+ * length with IS_MMAPPED set), or 0. realloc grows such a chunk with mremap:
+ * made the file's, it would grow into the file's next bytes, and past its end
+ * fault. (A page of other data that looks so is left alone too: harmless.) */
+static u64 malloc_chunk_at(u64 p, u64 b) {
+  const u64 *w = (const u64 *)p;
+  u64 len = w[1] & ~7UL;
+  return w[0] == 0 && (w[1] & 7) == 2 && len >= PAGE && len % PAGE == 0 && p + len <= b ? len : 0;
+}
+
+/* The process's limit of mappings, less those it has and some room: what runs may add (two each, at most). */
+static long runs_allowed(long nmaps) {
+  char buf[32];
+  long max = 65530, fd = S2(NR_open, "/proc/sys/vm/max_map_count", 0);
+  if (fd >= 0) {
+    long n = S3(NR_read, fd, buf, sizeof buf - 1);
+    S1(NR_close, fd);
+    if (n > 0) {
+      buf[n] = 0;
+      const char *q = buf;
+      max = 0;
+      while (*q >= '0' && *q <= '9') max = max * 10 + (*q++ - '0');
+    }
+  }
+  long room = (max - nmaps - 1024) / 2;
+  return room < 0 ? 0 : room < FR_MAX_REGIONS ? room : FR_MAX_REGIONS;
+}
+
 /* With the others parked: copies the pages of this process's own (anonymous:
- * present or swapped, non-zero) of each mapping to make the file's into a
- * new memfd, seals it, and maps it over runs of those pages only: untouched
- * memory stays anonymous (a hole of the file read through a private mapping
- * would add a page to the file, for every fork), and a file's own pages stay
- * that file's (never read here: no file faulted in, nothing past its end).
- * Gaps of a few untouched pages in anonymous memory are copied as zeros
- * (fewer mappings). The file keeps a sparse tail past its last mapping. Then
- * reads each page of the runs (a fork that maps one shares it with us: smaps
- * counts a page cache page that one process alone maps as that process's).
- * Returns the bytes written to the file, or -errno with nothing changed; a
- * run whose mapping fails is made anonymous again with its bytes, and it and
- * those after it stay as they were. scratch: room for /proc/self/smaps. */
+ * present, or swapped but not a guard page; present ones only if not all
+ * zeros) of each mapping to make the file's into a new memfd, densely (the
+ * file has no hole: one read through a private mapping, which every fork
+ * could make of its fd, would add a page to the file for good), seals it, and
+ * maps it over runs of those pages only: untouched memory stays anonymous,
+ * and a file's own pages stay that file's (never read here: no file faulted
+ * in, nothing past its end). Gaps of a few untouched pages in anonymous
+ * memory go into the file as zeros (fewer mappings). glibc's mmapped malloc
+ * chunks stay as they are (see malloc_chunk_at). Then reads each page of
+ * the runs (a fork that maps one shares it with us: smaps counts a page cache
+ * page that one process alone maps as that process's). Returns the bytes
+ * written to the file, or -errno with nothing changed; a run whose mapping
+ * fails is left (or made again) as it was, and so are those after it.
+ * scratch: room for /proc/self/smaps. */
 #define GAP 4 /* pages */
+#define PM_GUARD (1UL << 58)
 static long remap_parked(struct fr_state *st, char *scratch, long scratch_len) {
   long n = read_smaps(scratch, scratch_len);
   if (n < 0) return n;
@@ -352,10 +394,12 @@ static long remap_parked(struct fr_state *st, char *scratch, long scratch_len) {
   u64 own[3] = {(u64)ent, (u64)&parking, thread_pointer()};
   u64 skip[6][2] = {{(u64)st, (u64)st + sizeof *st}, {(u64)scratch, (u64)scratch + (u64)scratch_len}};
   int nskip = 2;
+  long nmaps = 0;
   /* and the mappings of our own stack, this library's data and our thread's TLS */
   struct mapping m;
   const char *s = scratch;
   while (next_mapping(&s, &m, skip, 2)) {
+    nmaps++;
     for (int i = 0; i < 3; i++) {
       if (in(own[i], m.start, m.end) && nskip < 6) {
         skip[nskip][0] = m.start;
@@ -365,6 +409,7 @@ static long remap_parked(struct fr_state *st, char *scratch, long scratch_len) {
       }
     }
   }
+  long allowed = runs_allowed(nmaps);
   int pm = (int)S2(NR_open, "/proc/self/pagemap", 0);
   if (pm < 0) return pm;
   long fd = S2(NR_memfd_create, "forkling-template", 1 | 2 /* MFD_CLOEXEC | MFD_ALLOW_SEALING */);
@@ -373,42 +418,60 @@ static long remap_parked(struct fr_state *st, char *scratch, long scratch_len) {
     return fd;
   }
   long r = 0;
-  u64 off = 0, written = 0;
+  u64 total = 0, written = 0; /* the file's length so far */
   st->nr = 0;
   s = scratch;
   while (r == 0 && next_mapping(&s, &m, skip, nskip)) {
     if (!m.ok) continue;
-    u64 run = 0, last = 0; /* the current run's start, and the end of its last page taken (0: none) */
+    u64 run = 0, last = 0, roff = 0; /* the current run's start, the end of its last page, its file offset */
+    u64 chunk_end = 0;                 /* the end of a malloc chunk being passed over */
     for (u64 a = m.start; a < m.end && r == 0; a += 512 * PAGE) {
       long k = (long)((m.end - a) / PAGE < 512 ? (m.end - a) / PAGE : 512);
       if ((r = pagemap(pm, a, ent, k)) < 0) break;
       for (long i = 0; i < k && r == 0; i++) {
-        u64 p = a + (u64)i * PAGE;
-        int mine = (ent[i] & PM_SWAP) || (ent[i] & (PM_PRESENT | PM_FILE)) == PM_PRESENT;
-        if (!mine || is_zero((const char *)p)) continue;
-        if (last && p - last <= GAP * PAGE && m.anon) {
-          for (u64 z = last; z < p && r == 0; z += PAGE) /* (zeros, or untouched: reads as zeros) */
-            if (S4(NR_pwrite, fd, z, PAGE, off + (z - m.start)) != (long)PAGE) r = -EIO;
-        } else if (last) {
-          r = add_run(st, run, last, off + (run - m.start));
-          run = p;
-        } else {
-          run = p;
+        u64 p = a + (u64)i * PAGE, e = ent[i];
+        if (p >= chunk_end && m.anon && (e & PM_PRESENT) && !(e & PM_FILE)) {
+          u64 len = malloc_chunk_at(p, m.end);
+          if (len) chunk_end = p + len;
         }
-        if (r == 0 && S4(NR_pwrite, fd, p, PAGE, off + (p - m.start)) != (long)PAGE) r = -EIO;
-        written += PAGE;
+        if (p < chunk_end) { /* (ends the run) */
+          if (last && (r = add_run(st, run, last, roff)) < 0) break;
+          last = 0;
+          continue;
+        }
+        if ((e & PM_FILE) || (e & PM_GUARD) || !(e & (PM_PRESENT | PM_SWAP))) continue;
+        if ((e & PM_PRESENT) && is_zero((const char *)p)) continue; /* (a swapped page: not read here) */
+        int joins = last && p - last <= GAP * PAGE && (m.anon || p == last);
+        if (!joins) {
+          if (last && (r = add_run(st, run, last, roff)) < 0) break;
+          if (st->nr >= allowed) {
+            r = -ENOSPC;
+            break;
+          }
+          run = last = p;
+          roff = total;
+        }
+        /* (the gap's pages: zeros, or untouched, which read as zeros) then this page; the kernel
+         * reads them: a guard page it cannot read ends the run here */
+        long w = S4(NR_pwrite, fd, last, p + PAGE - last, roff + (last - run));
+        if (w != (long)(p + PAGE - last)) {
+          if (w != -14 /* EFAULT */) r = w < 0 ? w : -EIO;
+          else if (last > run && (r = add_run(st, run, last, roff)) == 0) total = roff + (last - run);
+          last = 0;
+          continue;
+        }
+        written += p + PAGE - last;
         last = p + PAGE;
+        total = roff + (last - run);
       }
     }
-    if (r == 0 && last) r = add_run(st, run, last, off + (run - m.start));
-    off += m.end - m.start;
+    if (r == 0 && last) r = add_run(st, run, last, roff);
   }
   S1(NR_close, pm);
-  if (r == -ENOSPC) r = 0; /* (runs past the table's room stay as they were) */
-  /* Sparse room past the last mapping: a mapping that grows later (mremap: realloc of a large
-   * malloc chunk) maps offsets past its own, which must read as zeros, not fault (SIGBUS). */
-  if (r == 0) r = S2(NR_ftruncate, fd, off + SLACK);
+  if (r == -ENOSPC) r = 0; /* (runs past the room left stay as they were) */
+  if (r == 0 && st->nr == 0) r = -ENOENT;
   /* F_ADD_SEALS: SEAL | SHRINK | GROW | WRITE */
+  if (r == 0) r = S2(NR_ftruncate, fd, total);
   if (r == 0) r = S3(NR_fcntl, fd, 1033, 1 | 2 | 4 | 8);
   u64 stat[18];
   if (r == 0) r = S2(NR_fstat, fd, stat);
@@ -420,14 +483,18 @@ static long remap_parked(struct fr_state *st, char *scratch, long scratch_len) {
   for (long i = 0; i < st->nr; i++) {
     const struct fr_region *g = &st->r[i];
     long got = S6(NR_mmap, g->start, g->end - g->start, 3 /* READ | WRITE */, 2 | 0x10 /* PRIVATE | FIXED */, fd, g->off);
-    if (got != (long)g->start) { /* (ENOMEM: the process's limit of mappings) */
+    if (got != (long)g->start) {
       restore_run(fd, g);
       st->nr = i;
       break;
     }
     for (u64 p = g->start; p < g->end; p += PAGE) (void)*(volatile const char *)p;
   }
-  st->size = off;
+  if (st->nr == 0) {
+    S1(NR_close, fd);
+    return -ENOMEM;
+  }
+  st->size = total;
   st->fd = fd;
   st->dev = stat[0];
   st->ino = stat[1];

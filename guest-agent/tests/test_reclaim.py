@@ -125,11 +125,12 @@ class ReclaimTest(unittest.TestCase):
         self.assertLess(report['private_after'], report['private_before'], report)
         self.assertEqual(report['sealed'], {'write': 'EPERM', 'grow': 'EPERM', 'shrink': 'EPERM', 'map_shared_writable': 'EPERM'}, report)
         self.assertEqual(report['swapped_fd'], -errno.EBADF, report)
-        self.assertEqual(report['grown'], (b'\x09', b'\x00'), report)
+        self.assertEqual(report['grown'], (True, b'\x0f'), report)
         kinds = report['kinds']
         memfd = '/memfd:forkling-template'
         self.assertEqual([kinds[k][1] for k in ('region', 'sparse')], [memfd, memfd], report)
         self.assertEqual(kinds['sparse_untouched'][1], '', report)  # (still anonymous)
+        self.assertEqual(kinds['chunk'][1], '', report)
         self.assertEqual(kinds['rwx'], ('rwxp', ''), report)
         self.assertNotEqual(kinds['short'][1], '', report)
         self.assertFalse(kinds['short_past_end'][1].startswith(memfd), report)
@@ -139,7 +140,13 @@ class ReclaimTest(unittest.TestCase):
 
     def _child(self):
         lib = ctypes.CDLL(SO)
-        self.region_at = apart(16, 0x09)  # grown by _grown
+        self.region_at = apart(16, 0x09)
+        # a large malloc chunk (glibc mmaps it): left as it is, as realloc grows it with mremap
+        LIBC.malloc.restype = LIBC.realloc.restype = ctypes.c_void_p
+        LIBC.malloc.argtypes = [ctypes.c_size_t]
+        LIBC.realloc.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self.chunk = LIBC.malloc(1 << 20)
+        ctypes.memset(self.chunk, 0x0a, 1 << 20)
         self.again_at = apart(16, 0x0b)  # unmapped and mapped anew by a fork
         self.sparse_at = apart(64, None)  # one page written: the other 63 untouched
         # executable: left as it is (a copy would lose PROT_EXEC)
@@ -172,7 +179,7 @@ class ReclaimTest(unittest.TestCase):
             t.stop.set()
             t.thread.join()
         errors = [e for t in togglers for e in t.errors]
-        self.kinds = {'region': mapping_of(self.region_at), 'sparse': mapping_of(self.sparse_at),
+        self.kinds = {'region': mapping_of(self.region_at), 'sparse': mapping_of(self.sparse_at), 'chunk': mapping_of(self.chunk),
                       'sparse_untouched': mapping_of(self.sparse_at + PAGE), 'rwx': mapping_of(self.rwx_at),
                       'short': mapping_of(self.short_at), 'short_past_end': mapping_of(self.short_at + PAGE)}
         # a fork of the remapped process (as the fork server's children): its copies given back
@@ -236,20 +243,14 @@ class ReclaimTest(unittest.TestCase):
                 'short': ctypes.string_at(self.short_at, 1), 'rwx': ctypes.string_at(self.rwx_at, 1)}
 
     def _grown(self):
-        """A mapping of the file grown far past the file's data (mremap, as realloc grows a large
-        chunk) reads zeros there: no SIGBUS past the end of the file."""
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mremap.restype = ctypes.c_void_p
-        libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]
-        at = self.region_at
-        with open('/proc/self/maps') as f:
-            if not any('forkling-template' in line for line in f if int(line.split('-')[0], 16) <= at < int(line.split()[0].split('-')[1], 16)):
-                return 'not the file\'s'
-        size = 4 << 30
-        new = libc.mremap(at, 16 * PAGE, size, 1)  # MREMAP_MAYMOVE
-        if new in (None, ctypes.c_void_p(-1).value):
-            return 'mremap: ' + errno.errorcode[ctypes.get_errno()]
-        return (ctypes.c_char.from_address(new).value, ctypes.c_char.from_address(new + size - PAGE).value)
+        """A large malloc chunk of the parent, grown by realloc (mremap): its bytes kept, the rest
+        writable (made the file's, it would have grown into the file's next bytes, and past its end
+        faulted)."""
+        new = LIBC.realloc(self.chunk, 256 << 20)
+        if not new:
+            return 'realloc failed'
+        ctypes.memset(new + (255 << 20), 0x0f, 1 << 20)
+        return (ctypes.string_at(new, 1 << 20) == b'\x0a' * (1 << 20), ctypes.string_at(new + (256 << 20) - 1, 1))
 
     @staticmethod
     def _sealed():
