@@ -418,6 +418,7 @@ static long remap_parked(struct fr_state *st, char *scratch, long scratch_len) {
     return fd;
   }
   long r = 0;
+  int full = 0; /* no room for more runs */
   u64 total = 0, written = 0; /* the file's length so far */
   st->nr = 0;
   s = scratch;
@@ -430,34 +431,41 @@ static long remap_parked(struct fr_state *st, char *scratch, long scratch_len) {
       if ((r = pagemap(pm, a, ent, k)) < 0) break;
       for (long i = 0; i < k && r == 0; i++) {
         u64 p = a + (u64)i * PAGE, e = ent[i];
-        if (p >= chunk_end && m.anon && (e & PM_PRESENT) && !(e & PM_FILE)) {
+        int readable = !(e & PM_FILE) && !(e & PM_GUARD) && (e & (PM_PRESENT | PM_SWAP)); /* (a swapped page swaps in) */
+        if (p >= chunk_end && m.anon && readable) {
           u64 len = malloc_chunk_at(p, m.end);
           if (len) chunk_end = p + len;
         }
-        if (p < chunk_end) { /* (ends the run) */
+        if (p < chunk_end || (e & PM_GUARD)) { /* left as it is: ends the run (a guard page in a gap would fault) */
           if (last && (r = add_run(st, run, last, roff)) < 0) break;
           last = 0;
           continue;
         }
-        if ((e & PM_FILE) || (e & PM_GUARD) || !(e & (PM_PRESENT | PM_SWAP))) continue;
+        if (!readable) continue;
         if ((e & PM_PRESENT) && is_zero((const char *)p)) continue; /* (a swapped page: not read here) */
         int joins = last && p - last <= GAP * PAGE && (m.anon || p == last);
         if (!joins) {
           if (last && (r = add_run(st, run, last, roff)) < 0) break;
           if (st->nr >= allowed) {
-            r = -ENOSPC;
+            full = 1;
             break;
           }
           run = last = p;
           roff = total;
         }
         /* (the gap's pages: zeros, or untouched, which read as zeros) then this page; the kernel
-         * reads them: a guard page it cannot read ends the run here */
+         * reads them: one it cannot read (EFAULT, or a short write) ends the run before the gap,
+         * and this page is tried again as a run of its own */
         long w = S4(NR_pwrite, fd, last, p + PAGE - last, roff + (last - run));
         if (w != (long)(p + PAGE - last)) {
-          if (w != -14 /* EFAULT */) r = w < 0 ? w : -EIO;
-          else if (last > run && (r = add_run(st, run, last, roff)) == 0) total = roff + (last - run);
+          if (w < 0 && w != -14 /* EFAULT */) {
+            r = w;
+            break;
+          }
+          int alone = last == p; /* (the short bytes lie past `total`: overwritten or cut off) */
+          if (last > run && (r = add_run(st, run, last, roff)) < 0) break;
           last = 0;
+          if (!alone) i--;
           continue;
         }
         written += p + PAGE - last;
@@ -468,7 +476,8 @@ static long remap_parked(struct fr_state *st, char *scratch, long scratch_len) {
     if (r == 0 && last) r = add_run(st, run, last, roff);
   }
   S1(NR_close, pm);
-  if (r == -ENOSPC) r = 0; /* (runs past the room left stay as they were) */
+  if (r == -ENOSPC) full = 1; /* (the table of runs is full) */
+  if (full) r = 0; /* (runs past the room left stay as they were) */
   if (r == 0 && st->nr == 0) r = -ENOENT;
   /* F_ADD_SEALS: SEAL | SHRINK | GROW | WRITE */
   if (r == 0) r = S2(NR_ftruncate, fd, total);
