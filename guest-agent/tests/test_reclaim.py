@@ -9,6 +9,7 @@ import errno
 import gc
 import mmap
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -138,6 +139,7 @@ class ReclaimTest(unittest.TestCase):
         self.assertNotEqual(kinds['short'][1], '', report)
         self.assertFalse(kinds['short_past_end'][1].startswith(memfd), report)
         self.assertEqual(report['untouched_grew_kib'], 0, report)
+        self.assertEqual((report['blocked'], report['taken']), (-errno.ETIMEDOUT, -errno.EEXIST), report)
         self.assertTrue(report['mapped_anew_kept'], report)
         self.assertEqual((report['short'], report['rwx']), (b'\x0d', b'\xc3'), report)
 
@@ -238,11 +240,25 @@ class ReclaimTest(unittest.TestCase):
         again = ctypes.string_at(self.again_at, 16 * PAGE) == b'\x0b' * (16 * PAGE)
         # sandbox code that puts another file at the fd's number: refused, nothing compared with it
         other = os.open('/dev/zero', os.O_RDONLY)
+        saved = os.dup(fd)
         os.dup2(other, fd)
         swapped = lib.fr_reclaim(st, ctypes.c_long(2000))
+        # a thread that blocks the signal: nothing parked, nothing done; sandbox code's own handler for it: left
+        gate = threading.Event()
+        def blocker():
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGRTMAX})
+            gate.wait()
+        t = threading.Thread(target=blocker)
+        t.start()
+        os.dup2(saved, fd)  # (the file back at its number first: else EBADF hides what is checked)
+        blocked = lib.fr_reclaim(st, ctypes.c_long(100))
+        gate.set()
+        t.join()
+        signal.signal(signal.SIGRTMAX, lambda *_: None)
+        taken = lib.fr_reclaim(st, ctypes.c_long(100))
         return {'given_back': given, 'private_before': before, 'private_after': after, 'errors': errors,
                 'rounds': min(t.rounds for t in togglers), 'sealed': sealed, 'swapped_fd': swapped, 'grown': grown,
-                'untouched_grew_kib': untouched_grew, 'mapped_anew_kept': again,
+                'untouched_grew_kib': untouched_grew, 'blocked': blocked, 'taken': taken, 'mapped_anew_kept': again,
                 'short': ctypes.string_at(self.short_at, 1), 'rwx': ctypes.string_at(self.rwx_at, 1)}
 
     def _grown(self):
