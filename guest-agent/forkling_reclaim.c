@@ -5,9 +5,10 @@
  * reference count back where it was). A copied anonymous page cannot be
  * shared again; a copied page of a file mapped MAP_PRIVATE can:
  * MADV_DONTNEED drops the copy and the next access maps the file's page.
- * So fr_remap (in the zygote, before its fork server) copies the process's
- * private writable memory into a sealed memfd and maps that file
- * MAP_PRIVATE over the same addresses: the same bytes, shared as page cache.
+ * So fr_remap (in the zygote, before its fork server) copies the pages the
+ * process wrote itself into a sealed memfd, densely, and maps that file
+ * MAP_PRIVATE over the same addresses (see remap_parked for what stays as it
+ * is): the same bytes, shared as page cache.
  * fr_reclaim (in a fork, when it is idle) drops each page of its own that
  * equals the file's (read from the file's fd, which forks inherit).
  *
