@@ -6,8 +6,9 @@ The zygote calls remap() once, last thing before its first fork: its private
 memory becomes a sealed memfd's, mapped MAP_PRIVATE where it was. Every fork
 inherits that (and the state below); its service thread calls
 when_idle() on each quiet tick, which gives back the fork's own pages equal
-to the file once the sandbox has been idle 2 s since its last request. Off unless the host sets FORKLING_PROCESS_RECLAIM=1 (the engine's
-option `reclaim`, on by default).
+to the file once the sandbox has been idle 2 s since its last request.
+Off unless the host sets FORKLING_PROCESS_RECLAIM=1 (the engine's option
+`reclaim`, on by default).
 """
 
 import ctypes
@@ -23,7 +24,6 @@ STATE = {
     'state': None,    # the mmap holding its struct fr_state (inherited by forks)
     'st': None,       # its address
     'fd': None,       # the file's fd (forks keep it: forkling_zygote counts it as the agent's own)
-    'given_back': 0,  # pages given back by this process
     'seen': -1,       # the agent's request count at the last tick
     'done_at': -1,    # ... and at the last reclaim
     'timeouts': 0,    # reclaims in a row that gave up: a thread did not park
@@ -72,10 +72,7 @@ def remap(log):
             % os.strerror(-n))
         state.close()
         return
-    fd = lib.fr_fd(st)
-    if fd < 0:  # (nothing was made the file's)
-        return
-    STATE.update(lib=lib, state=state, st=st, fd=fd)
+    STATE.update(lib=lib, state=state, st=st, fd=lib.fr_fd(st))  # (n >= 0: some memory is the file's)
 
 
 def after_fork():
@@ -107,7 +104,6 @@ def when_idle(activity, idle, log):
     STATE['done_at'] = activity
     n = lib.fr_reclaim(STATE['st'], WAIT_MS)
     if n >= 0:
-        STATE['given_back'] += n
         STATE['timeouts'] = 0
         return
     if n == -errno.ETIMEDOUT:  # a thread did not park (and the others waited WAIT_MS): next quiet spell, thrice

@@ -39,7 +39,6 @@ typedef unsigned long u64;
 struct fr_region { u64 start, end, off; };
 struct fr_state {
   long nr;
-  u64 size;
   long fd;          /* the file (read with pread: a mapping of it would count as this process's) */
   u64 dev, ino;     /* its identity: sandbox code may close fd and open something else there */
   struct fr_region r[FR_MAX_REGIONS];
@@ -68,7 +67,7 @@ static long sc(long n, long a, long b, long c, long d, long e, long f) {
 enum {
   NR_read = 0, NR_write = 1, NR_open = 2, NR_close = 3, NR_mmap = 9, NR_rt_sigaction = 13, NR_rt_sigprocmask = 14,
   NR_rt_sigreturn = 15, NR_pread = 17, NR_pwrite = 18, NR_madvise = 28, NR_nanosleep = 35, NR_getpid = 39,
-  NR_fstat = 5, NR_lseek = 8, NR_munmap = 11, NR_msync = 26, NR_exit_group = 231, NR_fcntl = 72, NR_ftruncate = 77, NR_gettid = 186, NR_futex = 202, NR_getdents64 = 217, NR_tgkill = 234,
+  NR_fstat = 5, NR_munmap = 11, NR_msync = 26, NR_exit_group = 231, NR_fcntl = 72, NR_ftruncate = 77, NR_gettid = 186, NR_futex = 202, NR_getdents64 = 217, NR_tgkill = 234,
   NR_memfd_create = 319,
 };
 #define EINTR 4
@@ -247,13 +246,14 @@ static int vmflags_ok(const char *f) {
   return 1;
 }
 
-/* Reads /proc/self/smaps into buf; returns its length or -errno. */
-static long read_smaps(char *buf, long len) {
-  int fd = (int)S2(NR_open, "/proc/self/smaps", 0);
+/* Reads a /proc file (smaps, maps) into buf, NUL-ended; returns its length or -errno. */
+static long read_proc(const char *path, char *buf, long len) {
+  int fd = (int)S2(NR_open, path, 0);
   if (fd < 0) return fd;
-  long n = 0, k;
+  long n = 0, k = 0;
   while (n < len - 1 && (k = S3(NR_read, fd, buf + n, len - 1 - n)) > 0) n += k;
   S1(NR_close, fd);
+  if (k < 0) return k;
   if (n >= len - 1) return -ENOSPC;
   buf[n] = 0;
   return n;
@@ -389,7 +389,7 @@ static long runs_allowed(long nmaps) {
 #define GAP 4 /* pages */
 #define PM_GUARD (1UL << 58)
 static long remap_parked(struct fr_state *st, char *scratch, long scratch_len) {
-  long n = read_smaps(scratch, scratch_len);
+  long n = read_proc("/proc/self/smaps", scratch, scratch_len);
   if (n < 0) return n;
   u64 ent[512];
   u64 own[3] = {(u64)ent, (u64)&parking, thread_pointer()};
@@ -504,7 +504,6 @@ static long remap_parked(struct fr_state *st, char *scratch, long scratch_len) {
     S1(NR_close, fd);
     return -ENOMEM;
   }
-  st->size = total;
   st->fd = fd;
   st->dev = stat[0];
   st->ino = stat[1];
@@ -546,14 +545,8 @@ static long reclaim_parked(const struct fr_state *st) {
   long buf = S6(NR_mmap, 0, len, 3, 0x22 /* PRIVATE | ANONYMOUS */, -1, 0);
   if (buf < 0 && buf > -4096) return buf;
   char *maps = (char *)buf;
-  long r = 0, back = 0;
-  int fd = (int)S2(NR_open, "/proc/self/maps", 0);
-  long n = 0, k = 0;
-  if (fd < 0) r = fd;
-  while (fd >= 0 && n < len - 1 && (k = S3(NR_read, fd, maps + n, len - 1 - n)) > 0) n += k;
-  if (fd >= 0) S1(NR_close, fd);
-  if (r == 0 && (k < 0 || n >= len - 1)) r = k < 0 ? k : -ENOSPC;
-  maps[n < len ? n : len - 1] = 0;
+  long back = 0, r = read_proc("/proc/self/maps", maps, len);
+  if (r > 0) r = 0;
   int pm = r == 0 ? (int)S2(NR_open, "/proc/self/pagemap", 0) : -1;
   if (r == 0 && pm < 0) r = pm;
   for (const char *s = maps; r == 0 && *s;) {

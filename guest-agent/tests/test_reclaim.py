@@ -4,6 +4,7 @@ equal to that file (fr_reclaim) while their threads write: no write is lost,
 the memory reads the same, pages come back, and no sandbox can change the
 file. Needs the built library (npm run build:native); x86-64."""
 
+import contextlib
 import ctypes
 import errno
 import gc
@@ -114,6 +115,20 @@ class Toggler:
             self.rounds += 1
 
 
+@contextlib.contextmanager
+def toggling(bufs, seed):
+    """A Toggler per buffer, running while the block runs; stopped and joined after it."""
+    togglers = [Toggler(b, seed + i) for i, b in enumerate(bufs)]
+    for t in togglers:
+        t.thread.start()
+    try:
+        yield togglers
+    finally:
+        for t in togglers:
+            t.stop.set()
+            t.thread.join()
+
+
 @unittest.skipUnless(os.path.exists(SO) and os.uname().machine == 'x86_64', 'forkling_reclaim.so not built (npm run build:native)')
 class ReclaimTest(unittest.TestCase):
     def test_remap_and_reclaim_lose_nothing(self):
@@ -172,17 +187,12 @@ class ReclaimTest(unittest.TestCase):
         bufs = [bytearray(b'\x07' * (64 * PAGE)) for _ in range(3)]
 
         ballast = [str(i) * 50 for i in range(20000)]  # objects a fork touches and leaves as they were
-        togglers = [Toggler(b, i) for i, b in enumerate(bufs)]
-        for t in togglers:
-            t.thread.start()
         gc.disable()  # as a zygote's forks (gc.freeze): a collection rewrites every object's header
-        written = lib.fr_remap(st, ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(scratch))),
-                               ctypes.c_long(len(scratch)), ctypes.c_long(2000))
+        with toggling(bufs, 0) as togglers:
+            written = lib.fr_remap(st, ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(scratch))),
+                                   ctypes.c_long(len(scratch)), ctypes.c_long(2000))
         if written < 0:
             raise OSError(-written, 'fr_remap: ' + os.strerror(-written))
-        for t in togglers:
-            t.stop.set()
-            t.thread.join()
         errors = [e for t in togglers for e in t.errors]
         self.kinds = {'region': mapping_of(self.region_at), 'sparse': mapping_of(self.sparse_at), 'chunk': mapping_of(self.chunk),
                       'sparse_untouched': mapping_of(self.sparse_at + PAGE), 'rwx': mapping_of(self.rwx_at),
@@ -209,16 +219,11 @@ class ReclaimTest(unittest.TestCase):
         given = lib.fr_reclaim(st, ctypes.c_long(2000))
         after = private_kib()
         # while threads write: every write kept
-        togglers = [Toggler(b, 10 + i) for i, b in enumerate(bufs)]
-        for t in togglers:
-            t.thread.start()
-        for _ in range(30):
-            n = lib.fr_reclaim(st, ctypes.c_long(2000))
-            if n < 0:
-                raise OSError(-n, 'fr_reclaim: ' + os.strerror(-n))
-        for t in togglers:
-            t.stop.set()
-            t.thread.join()
+        with toggling(bufs, 10) as togglers:
+            for _ in range(30):
+                n = lib.fr_reclaim(st, ctypes.c_long(2000))
+                if n < 0:
+                    raise OSError(-n, 'fr_reclaim: ' + os.strerror(-n))
         errors = [e for t in togglers for e in t.errors]
         for b in bufs:  # the memory reads as it should
             if b != b'\x07' * len(b):
