@@ -3,8 +3,11 @@ forks that give back the pages they copied but hold the template's bytes
 again (forkling_reclaim.c does the work; this is its Python side).
 
 The zygote calls remap() once, last thing before its first fork: its private
-memory becomes a sealed memfd's, mapped MAP_PRIVATE where it was. Every fork
-inherits that (and the state below); its service thread calls
+memory becomes a sealed memfd's, mapped MAP_PRIVATE where it was. Its fork
+server calls it again once it is set up: what it wrote since becomes a
+second file's, a layer over the first (a child's copy of one of those pages
+goes back to the fork server's bytes). Every fork inherits that (and the
+state below); its service thread calls
 when_idle() on each quiet tick, which gives back the fork's own pages equal
 to the file once the sandbox has been idle 2 s since its last request.
 Off unless the host sets FORKLING_PROCESS_RECLAIM=1 (the engine's option
@@ -16,14 +19,14 @@ import errno
 import mmap
 import os
 
-VERSION = 1  # forkling_reclaim.c's FR_VERSION
+VERSION = 2  # forkling_reclaim.c's FR_VERSION
 WAIT_MS = 200  # how long the other threads have to park
 SCRATCH = 32 << 20  # room for /proc/self/smaps
 STATE = {
     'lib': None,      # the loaded forkling_reclaim.so (None: off)
     'state': None,    # the mmap holding its struct fr_state (inherited by forks)
     'st': None,       # its address
-    'fd': None,       # the file's fd (forks keep it: forkling_zygote counts it as the agent's own)
+    'fds': (),        # the files' fds, oldest first (forks keep them: forkling_zygote counts them as the agent's own)
     'seen': -1,       # the agent's request count at the last tick
     'done_at': -1,    # ... and at the last reclaim
     'timeouts': 0,    # reclaims in a row that gave up: a thread did not park
@@ -44,23 +47,25 @@ def _load(log):
     except (OSError, AttributeError) as e:
         log('forks will not give back the pages they copied (more memory per child): %s' % e)
         return None
-    for fn in (lib.fr_remap, lib.fr_reclaim, lib.fr_state_size, lib.fr_fd):
+    for fn in (lib.fr_remap, lib.fr_reclaim, lib.fr_state_size, lib.fr_files, lib.fr_fd):
         fn.restype = ctypes.c_long
-    lib.fr_fd.argtypes = (ctypes.c_void_p,)
+    lib.fr_files.argtypes = (ctypes.c_void_p,)
+    lib.fr_fd.argtypes = (ctypes.c_void_p, ctypes.c_long)
     lib.fr_remap.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long)
     lib.fr_reclaim.argtypes = (ctypes.c_void_p, ctypes.c_long)
     return lib
 
 
-def remap(log):
-    """In the zygote, once, after gc.freeze(): the template's memory made the file's.
-    A failure leaves the process as it was (reclaim off)."""
-    if os.environ.get('FORKLING_PROCESS_RECLAIM') != '1' or STATE['lib'] is not None:
+def remap(log, who='template'):
+    """In the zygote, once, after gc.freeze(): the template's memory made a file's.
+    In its fork server, once, set up: what it wrote since made another file's
+    (or, if the zygote's failed, the first). A failure changes nothing."""
+    if os.environ.get('FORKLING_PROCESS_RECLAIM') != '1':
         return
-    lib = _load(log)
+    lib = STATE['lib'] if STATE['lib'] is not None else _load(log)
     if lib is None:
         return
-    state = mmap.mmap(-1, lib.fr_state_size(), flags=mmap.MAP_PRIVATE)
+    state = STATE['state'] if STATE['state'] is not None else mmap.mmap(-1, lib.fr_state_size(), flags=mmap.MAP_PRIVATE)
     scratch = mmap.mmap(-1, SCRATCH, flags=mmap.MAP_PRIVATE)
     st = ctypes.addressof(ctypes.c_char.from_buffer(state))
     buf = ctypes.c_char.from_buffer(scratch)
@@ -68,27 +73,26 @@ def remap(log):
     del buf
     scratch.close()
     if n < 0:
-        log('forks will not give back the pages they copied: making the template memory a file failed: %s'
-            % os.strerror(-n))
-        state.close()
+        log('forks will give back fewer of the pages they copied: making the memory of the %s a file failed: %s'
+            % (who, os.strerror(-n)))
+        if STATE['state'] is None:
+            state.close()
         return
-    STATE.update(lib=lib, state=state, st=st, fd=lib.fr_fd(st))  # (n >= 0: some memory is the file's)
+    STATE.update(lib=lib, state=state, st=st, fds=tuple(lib.fr_fd(st, i) for i in range(lib.fr_files(st))))
 
 
 def after_fork():
-    """In a new fork or branch, before sandbox code runs: an open file description of the
+    """In a new fork or branch, before sandbox code runs: an open file description of each
     file of its own (through /proc: the same file), so that siblings share no file offset
     or flags through it (a channel between sandboxes)."""
-    fd = STATE['fd']
-    if fd is None:
-        return
-    mine = os.open('/proc/self/fd/%d' % fd, os.O_RDONLY | os.O_CLOEXEC)
-    os.dup2(mine, fd, inheritable=False)
-    os.close(mine)
+    for fd in STATE['fds']:
+        mine = os.open('/proc/self/fd/%d' % fd, os.O_RDONLY | os.O_CLOEXEC)
+        os.dup2(mine, fd, inheritable=False)
+        os.close(mine)
 
 
 def own_fds():
-    return {STATE['fd']} if STATE['fd'] is not None else set()
+    return set(STATE['fds'])
 
 
 def when_idle(activity, idle, log):

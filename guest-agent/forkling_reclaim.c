@@ -8,9 +8,13 @@
  * So fr_remap (in the zygote, before its fork server) copies the pages the
  * process wrote itself into a sealed memfd, densely, and maps that file
  * MAP_PRIVATE over the same addresses (see remap_parked for what stays as it
- * is): the same bytes, shared as page cache.
+ * is): the same bytes, shared as page cache. Called again (in the fork
+ * server, once it is set up), it makes a second file, a layer over the
+ * first, of the pages written since: a fork's copy of one of those then
+ * goes back to the fork server's bytes, not the zygote's.
  * fr_reclaim (in a fork, when it is idle) drops each page of its own that
- * equals the file's (read from the file's fd, which forks inherit).
+ * equals the bytes of the file it maps there (read from that file's fd,
+ * which forks inherit).
  *
  * Both run with every other thread of the process parked in a signal
  * handler: a write between copying a page and mapping the file over it, or
@@ -25,7 +29,7 @@
  * process engine's seccomp filter.
  */
 
-#define FR_VERSION 1
+#define FR_VERSION 2
 int fr_version(void) { return FR_VERSION; }
 
 typedef unsigned long u64;
@@ -33,19 +37,37 @@ typedef unsigned long u64;
 #define FR_MAX_REGIONS 8192
 #define MAX_TIDS 1024
 #define PARK_SIG 64 /* SIGRTMAX: unused by glibc and CPython */
+#define FR_MAX_FILES 4 /* layers: the zygote's, its fork server's (and room) */
 
 /* What fr_remap made, in memory of its own (the caller's mmap, which it
  * leaves alone); inherited by forks. */
 struct fr_region { u64 start, end, off; };
+struct fr_file {
+  long fd;      /* read with pread: a mapping of it would count as this process's */
+  u64 dev, ino; /* its identity: sandbox code may close fd and open something else there */
+};
 struct fr_state {
-  long nr;
-  long fd;          /* the file (read with pread: a mapping of it would count as this process's) */
-  u64 dev, ino;     /* its identity: sandbox code may close fd and open something else there */
+  long nfiles;  /* one per fr_remap that made one, oldest first */
+  struct fr_file f[FR_MAX_FILES];
+  long nr;      /* the runs of the last fr_remap (its work space) */
   struct fr_region r[FR_MAX_REGIONS];
 };
 
 long fr_state_size(void) { return sizeof(struct fr_state); }
-long fr_fd(const struct fr_state *st) { return st->nr ? st->fd : -1; }
+long fr_files(const struct fr_state *st) { return st->nfiles; }
+long fr_fd(const struct fr_state *st, long i) { return i >= 0 && i < st->nfiles ? st->f[i].fd : -1; }
+
+/* The index of the file of st with this device and inode, or -1. */
+static int file_of(const struct fr_state *st, u64 dev, u64 ino) {
+  for (int i = 0; i < st->nfiles; i++)
+    if (st->f[i].dev == dev && st->f[i].ino == ino) return i;
+  return -1;
+}
+
+/* st_dev from the major and minor numbers /proc prints (as glibc's makedev). */
+static u64 makedev(u64 major, u64 minor) {
+  return (minor & 0xff) | ((major & 0xfff) << 8) | ((minor & ~0xffUL) << 12) | ((major & ~0xfffUL) << 32);
+}
 
 #if defined(__x86_64__)
 
@@ -233,7 +255,7 @@ static int same_page(const char *x, const char *y) {
 
 /* A mapping to make the file's: private, read-write, plain memory; none of
  * ours; not wipe-on-fork, dont-copy, locked, hugetlb, I/O or userfaultfd. */
-struct mapping { u64 start, end; int anon, ok; };
+struct mapping { u64 start, end; int anon, ok, layer; /* layer: a mapping of one of st's files */ };
 
 static int vmflags_ok(const char *f) {
   static const char *const bad[] = {"wf", "dc", "lo", "ht", "io", "pf", "um", "uw", "gd", "sh", "ss", "sl", "mm"};
@@ -259,22 +281,47 @@ static long read_proc(const char *path, char *buf, long len) {
   return n;
 }
 
+static u64 dec(const char **s) {
+  u64 v = 0;
+  while (**s >= '0' && **s <= '9') v = v * 10 + (u64)(*(*s)++ - '0');
+  return v;
+}
+
+/* The fields of a /proc maps line after its address range: permissions, offset, device, inode. */
+struct maps_line { const char *perm; u64 off, dev, ino; };
+static void maps_fields(const char **s, struct maps_line *l) {
+  l->perm = *s;
+  *s += 5;
+  l->off = hex(s);
+  (*s)++;
+  u64 major = hex(s);
+  (*s)++;
+  u64 minor = hex(s);
+  (*s)++;
+  l->dev = makedev(major, minor);
+  l->ino = dec(s);
+}
+
 /* The next mapping in smaps text at *s (advanced past it); 0 at the end. */
-static int next_mapping(const char **s, struct mapping *m, u64 skip[][2], int nskip) {
+static int next_mapping(const struct fr_state *st, const char **s, struct mapping *m, u64 skip[][2], int nskip) {
   const char *p = *s;
   if (!*p) return 0;
   m->start = hex(&p);
   p++;
   m->end = hex(&p);
   p++;
-  const char *perm = p, *line = p;
+  const char *line = p;
+  struct maps_line l;
+  maps_fields(&p, &l);
+  const char *perm = l.perm;
+  m->layer = l.ino && file_of(st, l.dev, l.ino) >= 0;
   while (*p && *p != '\n') p++;
   const char *name = p;
   while (name > line && name[-1] != ' ') name--;
   if (*p) p++;
   m->anon = !*name || *name == '\n' || starts(name, "[heap]") || starts(name, "[anon:");
   /* (not executable: the file is mapped read-write only) */
-  m->ok = perm[0] == 'r' && perm[1] == 'w' && perm[2] == '-' && perm[3] == 'p' && (m->anon || *name == '/');
+  m->ok = perm[0] == 'r' && perm[1] == 'w' && perm[2] == '-' && perm[3] == 'p' && (m->anon || m->layer || *name == '/');
   for (int i = 0; i < nskip; i++)
     if (m->start < skip[i][1] && m->end > skip[i][0]) m->ok = 0;
   /* the fields up to the next mapping: VmFlags is the last */
@@ -399,7 +446,7 @@ static long remap_parked(struct fr_state *st, char *scratch, long scratch_len) {
   /* and the mappings of our own stack, this library's data and our thread's TLS */
   struct mapping m;
   const char *s = scratch;
-  while (next_mapping(&s, &m, skip, 2)) {
+  while (next_mapping(st, &s, &m, skip, 2)) {
     nmaps++;
     for (int i = 0; i < 3; i++) {
       if (in(own[i], m.start, m.end) && nskip < 6) {
@@ -423,7 +470,7 @@ static long remap_parked(struct fr_state *st, char *scratch, long scratch_len) {
   u64 total = 0, written = 0; /* the file's length so far */
   st->nr = 0;
   s = scratch;
-  while (r == 0 && next_mapping(&s, &m, skip, nskip)) {
+  while (r == 0 && next_mapping(st, &s, &m, skip, nskip)) {
     if (!m.ok) continue;
     u64 run = 0, last = 0, roff = 0; /* the current run's start, the end of its last page, its file offset */
     u64 chunk_end = 0;                 /* the end of a malloc chunk being passed over */
@@ -444,7 +491,8 @@ static long remap_parked(struct fr_state *st, char *scratch, long scratch_len) {
         }
         if (!readable) continue;
         if ((e & PM_PRESENT) && is_zero((const char *)p)) continue; /* (a swapped page: not read here) */
-        int joins = last && p - last <= GAP * PAGE && (m.anon || p == last);
+        /* (an earlier file's pages in a gap: its bytes, all inside it, copied as they are) */
+        int joins = last && p - last <= GAP * PAGE && (m.anon || m.layer || p == last);
         if (!joins) {
           if (last && (r = add_run(st, run, last, roff)) < 0) break;
           if (st->nr >= allowed) {
@@ -504,13 +552,15 @@ static long remap_parked(struct fr_state *st, char *scratch, long scratch_len) {
     S1(NR_close, fd);
     return -ENOMEM;
   }
-  st->fd = fd;
-  st->dev = stat[0];
-  st->ino = stat[1];
+  st->f[st->nfiles].fd = fd;
+  st->f[st->nfiles].dev = stat[0];
+  st->f[st->nfiles].ino = stat[1];
+  st->nfiles++;
   return (long)written;
 }
 
 long fr_remap(struct fr_state *st, char *scratch, long scratch_len, long wait_ms) {
+  if (st->nfiles == FR_MAX_FILES) return -ENOSPC;
   u64 all = ~0UL, old;
   S4(NR_rt_sigprocmask, 2 /* SIG_SETMASK */, &all, &old, 8); /* no handler of ours runs in between */
   long r = park_others(wait_ms);
@@ -524,23 +574,17 @@ long fr_remap(struct fr_state *st, char *scratch, long scratch_len, long wait_ms
 
 /* ----------------------------------------------------------- reclaim */
 
-static u64 dec(const char **s) {
-  u64 v = 0;
-  while (**s >= '0' && **s <= '9') v = v * 10 + (u64)(*(*s)++ - '0');
-  return v;
-}
-
 /* With the others parked: drops each page of this process alone (present,
- * anonymous, exclusive, not all zeros) in its private mappings of the file
- * (found again in /proc/self/maps: memory unmapped and mapped anew since the
- * remap is not the file's) whose bytes equal the file's at that offset.
+ * anonymous, exclusive, not all zeros) in its private mappings of the files
+ * (found again in /proc/self/maps: memory unmapped and mapped anew since a
+ * remap is not a file's) whose bytes equal that file's at that offset.
  * Skips the mappings of the caller's stack and TLS. Returns the pages given
  * back, or -errno. */
 static long reclaim_parked(const struct fr_state *st) {
   u64 ent[512], page[512], stat[18];
   u64 me = (u64)ent, tp = thread_pointer();
-  if (S2(NR_fstat, st->fd, stat) < 0 || stat[0] != st->dev || stat[1] != st->ino) return -EBADF;
-  u64 major = ((st->dev >> 8) & 0xfff) | ((st->dev >> 32) & ~0xfffUL), minor = (st->dev & 0xff) | ((st->dev >> 12) & ~0xffUL);
+  for (long i = 0; i < st->nfiles; i++)
+    if (S2(NR_fstat, st->f[i].fd, stat) < 0 || stat[0] != st->f[i].dev || stat[1] != st->f[i].ino) return -EBADF;
   const long len = 4 << 20;
   long buf = S6(NR_mmap, 0, len, 3, 0x22 /* PRIVATE | ANONYMOUS */, -1, 0);
   if (buf < 0 && buf > -4096) return buf;
@@ -554,18 +598,12 @@ static long reclaim_parked(const struct fr_state *st) {
     s++;
     u64 b = hex(&s);
     s++;
-    const char *perm = s;
-    s += 5;
-    u64 off = hex(&s);
-    s++;
-    u64 dmaj = hex(&s);
-    s++;
-    u64 dmin = hex(&s);
-    s++;
-    u64 ino = dec(&s);
+    struct maps_line l;
+    maps_fields(&s, &l);
     while (*s && *s != '\n') s++;
     if (*s) s++;
-    if (perm[0] != 'r' || perm[1] != 'w' || perm[3] != 'p' || ino != st->ino || dmaj != major || dmin != minor) continue;
+    int k = l.ino ? file_of(st, l.dev, l.ino) : -1;
+    if (k < 0 || l.perm[0] != 'r' || l.perm[1] != 'w' || l.perm[3] != 'p') continue;
     if (in(me, a, b) || in(tp, a, b)) continue;
     for (u64 c = a; c < b && r == 0; c += 512 * PAGE) {
       long cnt = (long)((b - c) / PAGE < 512 ? (b - c) / PAGE : 512);
@@ -574,7 +612,7 @@ static long reclaim_parked(const struct fr_state *st) {
         if ((ent[j] & (PM_PRESENT | PM_FILE | PM_EXCLUSIVE)) != (PM_PRESENT | PM_EXCLUSIVE)) continue;
         const char *p = (const char *)(c + (u64)j * PAGE);
         if (is_zero(p)) continue; /* (dropped, it would read the file's hole: a page added to the file) */
-        if (S4(NR_pread, st->fd, page, PAGE, off + ((u64)p - a)) != (long)PAGE) continue;
+        if (S4(NR_pread, st->f[k].fd, page, PAGE, l.off + ((u64)p - a)) != (long)PAGE) continue;
         if (!same_page(p, (const char *)page)) continue;
         if (S3(NR_madvise, p, PAGE, 4 /* MADV_DONTNEED */) == 0) back++;
       }
@@ -586,7 +624,7 @@ static long reclaim_parked(const struct fr_state *st) {
 }
 
 long fr_reclaim(const struct fr_state *st, long wait_ms) {
-  if (!st->nr) return 0;
+  if (!st->nfiles) return 0;
   u64 all = ~0UL, old;
   S4(NR_rt_sigprocmask, 2, &all, &old, 8);
   long r = park_others(wait_ms);

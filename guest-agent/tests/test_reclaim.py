@@ -58,6 +58,14 @@ def mapping_of(at):
     return None
 
 
+def file_page(at):
+    """Whether the page at `at` is (after a read) a file's page, not a copy of this process's."""
+    ctypes.string_at(at, 1)
+    with open('/proc/self/pagemap', 'rb') as f:
+        f.seek(at // PAGE * 8)
+        return bool(int.from_bytes(f.read(8), 'little') >> 61 & 1)
+
+
 def file_kib(fd):
     return os.fstat(fd).st_blocks // 2
 
@@ -157,6 +165,12 @@ class ReclaimTest(unittest.TestCase):
         self.assertEqual((report['blocked'], report['taken']), (-errno.ETIMEDOUT, -errno.EEXIST), report)
         self.assertTrue(report['mapped_anew_kept'], report)
         self.assertEqual((report['short'], report['rwx']), (b'\x0d', b'\xc3'), report)
+        # a second remap (as a fork server's): what was written since is a second file's, a
+        # layer over the first; a fork's copies of it go back to those bytes
+        self.assertEqual(report['files'], 2, report)
+        self.assertTrue(kinds['layered'][1].startswith(memfd), report)
+        self.assertNotEqual(report['layered_ino'], report['region_ino'], report)
+        self.assertEqual(report['layered'], (True, True), report)
 
     def _child(self):
         lib = ctypes.CDLL(SO)
@@ -168,6 +182,7 @@ class ReclaimTest(unittest.TestCase):
         self.chunk = LIBC.malloc(1 << 20)
         ctypes.memset(self.chunk, 0x0a, 1 << 20)
         self.again_at = apart(16, 0x0b)  # unmapped and mapped anew by a fork
+        self.layered_at = apart(16, 0x31)  # written again between a first and a second remap
         self.sparse_at = apart(64, None)  # one page written: the other 63 untouched
         # executable: left as it is (a copy would lose PROT_EXEC)
         self.rwx_at = LIBC.mmap(None, PAGE, 7, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
@@ -179,7 +194,8 @@ class ReclaimTest(unittest.TestCase):
         os.unlink('/proc/self/fd/%d' % fd) if False else os.unlink(os.readlink('/proc/self/fd/%d' % fd))
         os.close(fd)
         ctypes.memset(self.short_at, 0x0d, PAGE)
-        lib.fr_remap.restype = lib.fr_reclaim.restype = lib.fr_state_size.restype = ctypes.c_long
+        lib.fr_remap.restype = lib.fr_reclaim.restype = lib.fr_state_size.restype = lib.fr_files.restype = ctypes.c_long
+        lib.fr_files.argtypes = (ctypes.c_void_p,)
         state = mmap.mmap(-1, lib.fr_state_size(), flags=mmap.MAP_PRIVATE)
         scratch = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE)
         st = ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(state)))
@@ -193,10 +209,17 @@ class ReclaimTest(unittest.TestCase):
                                    ctypes.c_long(len(scratch)), ctypes.c_long(2000))
         if written < 0:
             raise OSError(-written, 'fr_remap: ' + os.strerror(-written))
+        ctypes.memset(self.layered_at, 0x32, 16 * PAGE)
+        again = lib.fr_remap(st, ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(scratch))),
+                             ctypes.c_long(len(scratch)), ctypes.c_long(2000))
+        if again < 0:
+            raise OSError(-again, 'fr_remap, the second: ' + os.strerror(-again))
         errors = [e for t in togglers for e in t.errors]
         self.kinds = {'region': mapping_of(self.region_at), 'sparse': mapping_of(self.sparse_at), 'chunk': mapping_of(self.chunk),
                       'sparse_untouched': mapping_of(self.sparse_at + PAGE), 'rwx': mapping_of(self.rwx_at),
-                      'short': mapping_of(self.short_at), 'short_past_end': mapping_of(self.short_at + PAGE)}
+                      'short': mapping_of(self.short_at), 'short_past_end': mapping_of(self.short_at + PAGE),
+                      'layered': mapping_of(self.layered_at)}
+        inode = {k: os.stat('/proc/self/map_files/%s' % self._range(at)).st_ino for k, at in (('region', self.region_at), ('layered', self.layered_at))}
         # a fork of the remapped process (as the fork server's children): its copies given back
         status, report = in_fork(lambda: self._grandchild(lib, st, bufs, ballast))
         if status != 0:
@@ -204,7 +227,18 @@ class ReclaimTest(unittest.TestCase):
         report['errors'] = errors + report['errors']
         report['file_kib'] = written // 1024
         report['kinds'] = self.kinds
+        report['files'] = lib.fr_files(st)
+        report['region_ino'], report['layered_ino'] = inode['region'], inode['layered']
         return report
+
+    @staticmethod
+    def _range(at):
+        with open('/proc/self/maps') as f:
+            for line in f:
+                a, b = (int(x, 16) for x in line.split()[0].split('-'))
+                if a <= at < b:
+                    return line.split()[0]
+        raise LookupError(hex(at))
 
     def _grandchild(self, lib, st, bufs, ballast):
         # Touch and restore (as a fork's reference counts do), then give back while threads toggle.
@@ -215,9 +249,14 @@ class ReclaimTest(unittest.TestCase):
                 b[i] = v
         for s in ballast:
             s.upper()
+        for i in range(16):  # (the second file's bytes: copied, then the same again)
+            ctypes.memset(self.layered_at + i * PAGE, 0x32, 1)
+        copied = not any(file_page(self.layered_at + i * PAGE) for i in range(16))
         before = private_kib()
         given = lib.fr_reclaim(st, ctypes.c_long(2000))
         after = private_kib()
+        layered = (copied and all(file_page(self.layered_at + i * PAGE) for i in range(16)),
+                   ctypes.string_at(self.layered_at, 16 * PAGE) == b'\x32' * (16 * PAGE))
         # while threads write: every write kept
         with toggling(bufs, 10) as togglers:
             for _ in range(30):
@@ -263,7 +302,7 @@ class ReclaimTest(unittest.TestCase):
         taken = lib.fr_reclaim(st, ctypes.c_long(100))
         return {'given_back': given, 'private_before': before, 'private_after': after, 'errors': errors,
                 'rounds': min(t.rounds for t in togglers), 'sealed': sealed, 'swapped_fd': swapped, 'grown': grown,
-                'untouched_grew_kib': untouched_grew, 'blocked': blocked, 'taken': taken, 'mapped_anew_kept': again,
+                'untouched_grew_kib': untouched_grew, 'layered': layered, 'blocked': blocked, 'taken': taken, 'mapped_anew_kept': again,
                 'short': ctypes.string_at(self.short_at, 1), 'rwx': ctypes.string_at(self.rwx_at, 1)}
 
     def _grown(self):
