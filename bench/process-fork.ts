@@ -48,6 +48,17 @@ function cpuMs(pid: number): number {
   return ns / 1e6;
 }
 
+/** Page faults of a process so far, its exited threads' too (/proc/<pid>/stat minflt + majflt): unlike
+ * CPU time, the same from run to run on a noisy machine, and most of a child's CPU here. */
+function faults(pid: number): number {
+  try {
+    const f = readFileSync(`/proc/${pid}/stat`, 'utf8').split(') ')[1]!.split(' ');
+    return Number(f[7]) + Number(f[9]);
+  } catch {
+    return Number.NaN;
+  }
+}
+
 /** The zygote and its fork server (its children that are not PID 1 of a pid namespace of their own). */
 function zygoteAndServer(zpid: number): number[] {
   const out = [zpid];
@@ -163,6 +174,7 @@ try {
     const zygoteCpu = zpids.reduce((a, p) => a + cpuMs(p), 0) - z0;
     const childCpu = kids.reduce((a, k) => a + cpuMs((k as unknown as { hostPid: number }).hostPid), 0);
     const cpu = `CPU per child: in the child ${(childCpu / n).toFixed(2)}, zygote and its fork server ${(zygoteCpu / n).toFixed(2)}, host process ${(hostCpu / n).toFixed(2)} (ms; kernel work done for a child counts in it)`;
+    const childFaults = median(kids.map((k) => faults((k as unknown as { hostPid: number }).hostPid)));
     const ls = engine.lastSpawn!;
     const split = `cgroups ${ls.cgroupsMs.toFixed(1)}, zygote reply ${ls.replyMs.toFixed(1)}, restored ${ls.readyMs.toFixed(1)}, child set-up median ${ls.childSetupMsMedian.toFixed(1)}, slowest move into a cgroup ${ls.slowestMoveMs.toFixed(1)}`;
     const priv = await Promise.all(kids.map(async (k) => (await k.stats()).privateKiB));
@@ -172,7 +184,7 @@ try {
     const uniq = kidPids.slice(0, 5).map((p, i) => uniqueKiB(p, [...zpids, kidPids[(i + 1) % kidPids.length]!].filter((x) => x !== p)));
     await Promise.all(kids.map((k) => k.kill()));
     const u = uniq.every((x) => x !== null) ? median(uniq as number[]) : null;
-    rows.push({ n, forkMs, split: `${split}\n      | ${cpu}`, forkPrivKiB: median(priv), forkPrivMaxKiB: Math.max(...priv),
+    rows.push({ n, forkMs, split: `${split}\n      | ${cpu}\n      | page faults per child until its first answer, median: ${childFaults}`, forkPrivKiB: median(priv), forkPrivMaxKiB: Math.max(...priv),
       idlePrivKiB: median(idle), idlePrivMaxKiB: Math.max(...idle), uniqueKiB: u });
   }
   // The same with 100 spare forks kept ready per template (set up and listening in advance;

@@ -425,8 +425,10 @@ static long runs_allowed(long nmaps) {
  * could make of its fd, would add a page to the file for good), seals it, and
  * maps it over runs of those pages only: untouched memory stays anonymous,
  * and a file's own pages stay that file's (never read here: no file faulted
- * in, nothing past its end). Gaps of a few untouched pages in anonymous
- * memory go into the file as zeros (fewer mappings). glibc's mmapped malloc
+ * in, nothing past its end), except an earlier fr_remap's file: gaps of a
+ * few of its pages between pages to copy go into the new file as they are
+ * (all inside it). Gaps of a few untouched pages in anonymous memory go into
+ * the file as zeros (fewer mappings). glibc's mmapped malloc
  * chunks stay as they are (see malloc_chunk_at). Then reads each page of
  * the runs (a fork that maps one shares it with us: smaps counts a page cache
  * page that one process alone maps as that process's). Returns the bytes

@@ -150,8 +150,8 @@ class ReclaimTest(unittest.TestCase):
         self.assertEqual(report['errors'], [], report)
         self.assertGreater(report['rounds'], 0, report)
         self.assertLess(report['private_after'], report['private_before'], report)
-        self.assertEqual(report['sealed'], {'write': 'EPERM', 'grow': 'EPERM', 'shrink': 'EPERM', 'map_shared_writable': 'EPERM'}, report)
-        self.assertEqual(report['swapped_fd'], -errno.EBADF, report)
+        self.assertEqual(report['sealed'], [{'write': 'EPERM', 'grow': 'EPERM', 'shrink': 'EPERM', 'map_shared_writable': 'EPERM'}] * 2, report)
+        self.assertEqual(report['swapped_fd'], [-errno.EBADF] * 2, report)
         self.assertEqual(report['grown'], (True, b'\x0f'), report)
         kinds = report['kinds']
         memfd = '/memfd:forkling-template'
@@ -270,11 +270,11 @@ class ReclaimTest(unittest.TestCase):
         if ballast[12345] != '12345' * 50:
             errors.append('an object changed')
         grown = self._grown()
-        sealed, fd = self._sealed()
-        # untouched memory stays anonymous: touching it now adds nothing to the file
-        blocks = file_kib(fd)
+        sealed, fds = self._sealed()
+        # untouched memory stays anonymous: touching it now adds nothing to a file
+        blocks = sum(file_kib(fd) for fd in fds)
         ctypes.memset(self.sparse_at, 0x0e, 64 * PAGE)
-        untouched_grew = file_kib(fd) - blocks
+        untouched_grew = sum(file_kib(fd) for fd in fds) - blocks
         # memory unmapped and mapped anew (as heaps and arenas are) with the file's bytes: not the file's
         # any more, so never dropped (it would read zeros)
         LIBC.munmap(self.again_at, 16 * PAGE)
@@ -282,11 +282,15 @@ class ReclaimTest(unittest.TestCase):
         ctypes.memset(self.again_at, 0x0b, 16 * PAGE)
         lib.fr_reclaim(st, ctypes.c_long(2000))
         again = ctypes.string_at(self.again_at, 16 * PAGE) == b'\x0b' * (16 * PAGE)
-        # sandbox code that puts another file at the fd's number: refused, nothing compared with it
+        # sandbox code that puts another file at either fd's number: refused, nothing compared with it
         other = os.open('/dev/zero', os.O_RDONLY)
-        saved = os.dup(fd)
-        os.dup2(other, fd)
-        swapped = lib.fr_reclaim(st, ctypes.c_long(2000))
+        swapped = []
+        for fd in fds:
+            saved = os.dup(fd)
+            os.dup2(other, fd)
+            swapped.append(lib.fr_reclaim(st, ctypes.c_long(2000)))
+            os.dup2(saved, fd)  # (the file back at its number: else EBADF hides what is checked next)
+            os.close(saved)
         # a thread that blocks the signal: nothing parked, nothing done; sandbox code's own handler for it: left
         gate = threading.Event()
         def blocker():
@@ -294,7 +298,6 @@ class ReclaimTest(unittest.TestCase):
             gate.wait()
         t = threading.Thread(target=blocker)
         t.start()
-        os.dup2(saved, fd)  # (the file back at its number first: else EBADF hides what is checked)
         blocked = lib.fr_reclaim(st, ctypes.c_long(100))
         gate.set()
         t.join()
@@ -317,23 +320,27 @@ class ReclaimTest(unittest.TestCase):
 
     @staticmethod
     def _sealed():
-        """What sandbox code gets trying to change the file through the fd every fork holds."""
+        """What sandbox code gets trying to change each file through the fds every fork holds:
+        one dict per file (and their fds)."""
         def name(n):
             try:
                 return os.readlink('/proc/self/fd/%s' % n)
             except OSError:
                 return ''  # (listdir's own fd)
-        fd = next(int(n) for n in os.listdir('/proc/self/fd') if 'forkling-template' in name(n))
-        out = {}
-        for what, fn in (('write', lambda: os.pwrite(fd, b'x', 0)), ('grow', lambda: os.ftruncate(fd, 1 << 30)),
-                         ('shrink', lambda: os.ftruncate(fd, 0)),
-                         ('map_shared_writable', lambda: mmap.mmap(fd, PAGE, mmap.MAP_SHARED, mmap.PROT_WRITE))):
-            try:
-                fn()
-                out[what] = 'done'
-            except OSError as e:
-                out[what] = errno.errorcode[e.errno]
-        return out, fd
+        fds = sorted(int(n) for n in os.listdir('/proc/self/fd') if 'forkling-template' in name(n))
+        out = []
+        for fd in fds:
+            got = {}
+            for what, fn in (('write', lambda: os.pwrite(fd, b'x', 0)), ('grow', lambda: os.ftruncate(fd, 1 << 30)),
+                             ('shrink', lambda: os.ftruncate(fd, 0)),
+                             ('map_shared_writable', lambda: mmap.mmap(fd, PAGE, mmap.MAP_SHARED, mmap.PROT_WRITE))):
+                try:
+                    fn()
+                    got[what] = 'done'
+                except OSError as e:
+                    got[what] = errno.errorcode[e.errno]
+            out.append(got)
+        return out, fds
 
 if __name__ == '__main__':
     if sys.argv[1:] == ['--child']:
