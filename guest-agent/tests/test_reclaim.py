@@ -10,6 +10,7 @@ import errno
 import gc
 import mmap
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -162,7 +163,7 @@ class ReclaimTest(unittest.TestCase):
         self.assertNotEqual(kinds['short'][1], '', report)
         self.assertFalse(kinds['short_past_end'][1].startswith(memfd), report)
         self.assertEqual(report['untouched_grew_kib'], 0, report)
-        self.assertEqual((report['blocked'], report['taken']), (-errno.ETIMEDOUT, -errno.EEXIST), report)
+        self.assertEqual((report['unsignalled'], report['blocked'], report['taken']), (-errno.EAGAIN, -errno.ETIMEDOUT, -errno.EEXIST), report)
         self.assertTrue(report['mapped_anew_kept'], report)
         self.assertEqual((report['short'], report['rwx']), (b'\x0d', b'\xc3'), report)
         # a second remap (as a fork server's): what was written since is a second file's, a
@@ -291,6 +292,18 @@ class ReclaimTest(unittest.TestCase):
             swapped.append(lib.fr_reclaim(st, ctypes.c_long(2000)))
             os.dup2(saved, fd)  # (the file back at its number: else EBADF hides what is checked next)
             os.close(saved)
+        # a thread that cannot be signalled (no room for a pending signal: EAGAIN): nothing done
+        gate = threading.Event()
+        t = threading.Thread(target=gate.wait)
+        t.start()
+        soft, hard = resource.getrlimit(resource.RLIMIT_SIGPENDING)
+        resource.setrlimit(resource.RLIMIT_SIGPENDING, (0, hard))
+        try:
+            unsignalled = lib.fr_reclaim(st, ctypes.c_long(100))
+        finally:
+            resource.setrlimit(resource.RLIMIT_SIGPENDING, (soft, hard))
+        gate.set()
+        t.join()
         # a thread that blocks the signal: nothing parked, nothing done; sandbox code's own handler for it: left
         gate = threading.Event()
         def blocker():
@@ -305,7 +318,7 @@ class ReclaimTest(unittest.TestCase):
         taken = lib.fr_reclaim(st, ctypes.c_long(100))
         return {'given_back': given, 'private_before': before, 'private_after': after, 'errors': errors,
                 'rounds': min(t.rounds for t in togglers), 'sealed': sealed, 'swapped_fd': swapped, 'grown': grown,
-                'untouched_grew_kib': untouched_grew, 'layered': layered, 'blocked': blocked, 'taken': taken, 'mapped_anew_kept': again,
+                'untouched_grew_kib': untouched_grew, 'layered': layered, 'unsignalled': unsignalled, 'blocked': blocked, 'taken': taken, 'mapped_anew_kept': again,
                 'short': ctypes.string_at(self.short_at, 1), 'rwx': ctypes.string_at(self.rwx_at, 1)}
 
     def _grown(self):
