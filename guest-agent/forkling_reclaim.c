@@ -90,7 +90,7 @@ enum {
   NR_read = 0, NR_write = 1, NR_open = 2, NR_close = 3, NR_mmap = 9, NR_rt_sigaction = 13, NR_rt_sigprocmask = 14,
   NR_rt_sigreturn = 15, NR_pread = 17, NR_pwrite = 18, NR_madvise = 28, NR_nanosleep = 35, NR_getpid = 39,
   NR_fstat = 5, NR_munmap = 11, NR_msync = 26, NR_exit_group = 231, NR_fcntl = 72, NR_ftruncate = 77, NR_gettid = 186, NR_futex = 202, NR_getdents64 = 217, NR_tgkill = 234,
-  NR_memfd_create = 319,
+  NR_memfd_create = 319, NR_openat = 257,
 };
 #define EINTR 4
 #define EBUSY 16
@@ -154,7 +154,28 @@ static int parse_int(const char *s) {
   return *s ? -1 : v;
 }
 
-/* The process's thread ids other than ours, added to tids (no duplicates): -errno, or how many were added. */
+/* Whether the thread named `name` in the directory dirfd (/proc/self/task) has
+ * exited (a zombie: the main thread that called pthread_exit stays listed
+ * while the others run): it runs no code again, so it needs no parking, and
+ * it never would park. */
+static int exited(int dirfd, const char *name) {
+  char path[40], b[64];
+  int k = 0;
+  for (; name[k] && k < 20; k++) path[k] = name[k];
+  for (const char *t = "/stat"; *t;) path[k++] = *t++;
+  path[k] = 0;
+  long fd = S4(NR_openat, dirfd, path, 0, 0);
+  if (fd < 0) return fd == -ENOENT || fd == -ESRCH;
+  long got = S3(NR_read, fd, b, sizeof b);
+  S1(NR_close, fd);
+  long close_paren = -1; /* (the state follows the last ')': a thread's name may hold one) */
+  for (long i = 0; i < got; i++)
+    if (b[i] == ')') close_paren = i;
+  return close_paren >= 0 && close_paren + 2 < got && (b[close_paren + 2] == 'Z' || b[close_paren + 2] == 'X');
+}
+
+/* The process's thread ids other than ours and those that exited, added to tids (no duplicates):
+ * -errno, or how many were added. */
 static long new_tids(int *tids, long *n, int self) {
   int fd = (int)S3(NR_open, "/proc/self/task", 0x10000 /* O_DIRECTORY */, 0);
   if (fd < 0) return fd;
@@ -168,7 +189,7 @@ static long new_tids(int *tids, long *n, int self) {
       if (tid <= 0 || tid == self) continue;
       long i = 0;
       while (i < *n && tids[i] != tid) i++;
-      if (i < *n) continue;
+      if (i < *n || exited(fd, buf + off - reclen + 19)) continue;
       if (*n == MAX_TIDS) {
         S1(NR_close, fd);
         return -ENOSPC;
@@ -438,7 +459,7 @@ static long runs_allowed(long nmaps) {
 #define GAP 4 /* pages */
 #define PM_GUARD (1UL << 58)
 static long remap_parked(struct fr_state *st, char *scratch, long scratch_len) {
-  long n = read_proc("/proc/self/smaps", scratch, scratch_len);
+  long n = read_proc("/proc/thread-self/smaps", scratch, scratch_len);
   if (n < 0) return n;
   u64 ent[512];
   u64 own[3] = {(u64)ent, (u64)&parking, thread_pointer()};
@@ -460,7 +481,7 @@ static long remap_parked(struct fr_state *st, char *scratch, long scratch_len) {
     }
   }
   long allowed = runs_allowed(nmaps);
-  int pm = (int)S2(NR_open, "/proc/self/pagemap", 0);
+  int pm = (int)S2(NR_open, "/proc/thread-self/pagemap", 0);
   if (pm < 0) return pm;
   long fd = S2(NR_memfd_create, "forkling-template", 1 | 2 /* MFD_CLOEXEC | MFD_ALLOW_SEALING */);
   if (fd < 0) {
@@ -591,9 +612,9 @@ static long reclaim_parked(const struct fr_state *st) {
   long buf = S6(NR_mmap, 0, len, 3, 0x22 /* PRIVATE | ANONYMOUS */, -1, 0);
   if (buf < 0 && buf > -4096) return buf;
   char *maps = (char *)buf;
-  long back = 0, r = read_proc("/proc/self/maps", maps, len);
+  long back = 0, r = read_proc("/proc/thread-self/maps", maps, len);
   if (r > 0) r = 0;
-  int pm = r == 0 ? (int)S2(NR_open, "/proc/self/pagemap", 0) : -1;
+  int pm = r == 0 ? (int)S2(NR_open, "/proc/thread-self/pagemap", 0) : -1;
   if (r == 0 && pm < 0) r = pm;
   for (const char *s = maps; r == 0 && *s;) {
     u64 a = hex(&s);
