@@ -21,7 +21,7 @@ import os
 
 VERSION = 2  # forkling_reclaim.c's FR_VERSION
 WAIT_MS = 200  # how long the other threads have to park
-SCRATCH = 32 << 20  # room for /proc/self/smaps
+SCRATCH = 32 << 20  # room for /proc/thread-self/smaps
 STATE = {
     'lib': None,      # the loaded forkling_reclaim.so (None: off)
     'state': None,    # the mmap holding its struct fr_state (inherited by forks)

@@ -308,9 +308,15 @@ static u64 dec(const char **s) {
   return v;
 }
 
-/* The fields of a /proc maps line after its address range: permissions, offset, device, inode. */
-struct maps_line { const char *perm; u64 off, dev, ino; };
-static void maps_fields(const char **s, struct maps_line *l) {
+/* A line of /proc/<pid>/maps (or the first of a mapping in smaps): its
+ * fields, and its name (at the line's end when it has none). */
+struct maps_line { u64 start, end; const char *perm, *name; u64 off, dev, ino; };
+/* Parses the line at *s and leaves *s at the next one. */
+static void maps_line(const char **s, struct maps_line *l) {
+  l->start = hex(s);
+  (*s)++;
+  l->end = hex(s);
+  (*s)++;
   l->perm = *s;
   *s += 5;
   l->off = hex(s);
@@ -321,25 +327,23 @@ static void maps_fields(const char **s, struct maps_line *l) {
   (*s)++;
   l->dev = makedev(major, minor);
   l->ino = dec(s);
+  const char *end = *s;
+  while (*end && *end != '\n') end++;
+  l->name = end;
+  while (l->name > l->perm && l->name[-1] != ' ') l->name--;
+  *s = *end ? end + 1 : end;
 }
 
 /* The next mapping in smaps text at *s (advanced past it); 0 at the end. */
 static int next_mapping(const struct fr_state *st, const char **s, struct mapping *m, u64 skip[][2], int nskip) {
   const char *p = *s;
   if (!*p) return 0;
-  m->start = hex(&p);
-  p++;
-  m->end = hex(&p);
-  p++;
-  const char *line = p;
   struct maps_line l;
-  maps_fields(&p, &l);
-  const char *perm = l.perm;
+  maps_line(&p, &l);
+  const char *perm = l.perm, *name = l.name;
+  m->start = l.start;
+  m->end = l.end;
   m->layer = l.ino && file_of(st, l.dev, l.ino) >= 0;
-  while (*p && *p != '\n') p++;
-  const char *name = p;
-  while (name > line && name[-1] != ' ') name--;
-  if (*p) p++;
   m->anon = !*name || *name == '\n' || starts(name, "[heap]") || starts(name, "[anon:");
   /* (not executable: the file is mapped read-write only) */
   m->ok = perm[0] == 'r' && perm[1] == 'w' && perm[2] == '-' && perm[3] == 'p' && (m->anon || m->layer || *name == '/');
@@ -617,14 +621,9 @@ static long reclaim_parked(const struct fr_state *st) {
   int pm = r == 0 ? (int)S2(NR_open, "/proc/thread-self/pagemap", 0) : -1;
   if (r == 0 && pm < 0) r = pm;
   for (const char *s = maps; r == 0 && *s;) {
-    u64 a = hex(&s);
-    s++;
-    u64 b = hex(&s);
-    s++;
     struct maps_line l;
-    maps_fields(&s, &l);
-    while (*s && *s != '\n') s++;
-    if (*s) s++;
+    maps_line(&s, &l);
+    u64 a = l.start, b = l.end;
     int k = l.ino ? file_of(st, l.dev, l.ino) : -1;
     if (k < 0 || l.perm[0] != 'r' || l.perm[1] != 'w' || l.perm[3] != 'p') continue;
     if (in(me, a, b) || in(tp, a, b)) continue;

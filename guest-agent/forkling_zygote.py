@@ -422,11 +422,11 @@ def _server_main(agent, sock):
     if _spawn_lib() is not None:
         _c_steps(plan)
     gc.freeze()  # what this process made goes out of the children's collector's way too
-    # Once, after the collection (whose finalizers may close files): one thread, no user code.
-    # The warm-up's at-fork handlers may still change fds: each child checks every entry.
     # What children share from here on is a file's, as the zygote's (a child's copy of a page
     # this process wrote goes back to its bytes). Before `inherited`: the file's fd is our own.
     forkling_memfile.remap(_agent_mod.log, 'fork server')
+    # Once, after the collection (whose finalizers may close files): one thread, no user code.
+    # The warm-up's at-fork handlers may still change fds: each child checks every entry.
     STATE['inherited'] = forkling_inherit.inherited(_own_fds(agent), _output_keys(agent), _console_fds(agent))
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)

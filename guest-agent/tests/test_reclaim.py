@@ -48,15 +48,21 @@ def apart(pages, fill):
     return at + PAGE
 
 
-def mapping_of(at):
-    """(permissions, path) of the mapping holding address `at`."""
+def maps_entry(at):
+    """The fields of the /proc/self/maps line of the mapping holding address `at`, or None."""
     with open('/proc/self/maps') as f:
         for line in f:
             parts = line.split()
             a, b = (int(x, 16) for x in parts[0].split('-'))
             if a <= at < b:
-                return parts[1], parts[5] if len(parts) > 5 else ''
+                return parts
     return None
+
+
+def mapping_of(at):
+    """(permissions, path) of the mapping holding address `at`."""
+    parts = maps_entry(at)
+    return None if parts is None else (parts[1], parts[5] if len(parts) > 5 else '')
 
 
 def file_page(at):
@@ -258,7 +264,7 @@ class ReclaimTest(unittest.TestCase):
                       'sparse_untouched': mapping_of(self.sparse_at + PAGE), 'rwx': mapping_of(self.rwx_at),
                       'short': mapping_of(self.short_at), 'short_past_end': mapping_of(self.short_at + PAGE),
                       'layered': mapping_of(self.layered_at)}
-        inode = {k: os.stat('/proc/self/map_files/%s' % self._range(at)).st_ino for k, at in (('region', self.region_at), ('layered', self.layered_at))}
+        inode = {k: int(maps_entry(at)[4]) for k, at in (('region', self.region_at), ('layered', self.layered_at))}
         # a fork of the remapped process (as the fork server's children): its copies given back
         status, report = in_fork(lambda: self._grandchild(lib, st, bufs, ballast))
         if status != 0:
@@ -269,15 +275,6 @@ class ReclaimTest(unittest.TestCase):
         report['files'] = lib.fr_files(st)
         report['region_ino'], report['layered_ino'] = inode['region'], inode['layered']
         return report
-
-    @staticmethod
-    def _range(at):
-        with open('/proc/self/maps') as f:
-            for line in f:
-                a, b = (int(x, 16) for x in line.split()[0].split('-'))
-                if a <= at < b:
-                    return line.split()[0]
-        raise LookupError(hex(at))
 
     def _grandchild(self, lib, st, bufs, ballast):
         # Touch and restore (as a fork's reference counts do), then give back while threads toggle.
