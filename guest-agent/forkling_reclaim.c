@@ -29,7 +29,7 @@
  * process engine's seccomp filter.
  */
 
-#define FR_VERSION 2
+#define FR_VERSION 3
 int fr_version(void) { return FR_VERSION; }
 
 typedef unsigned long u64;
@@ -47,15 +47,22 @@ struct fr_file {
   u64 dev, ino; /* its identity: sandbox code may close fd and open something else there */
 };
 struct fr_state {
-  long nfiles;  /* one per fr_remap that made one, oldest first */
+  long nfiles;  /* one per fr_remap that made one, oldest first (and the pattern) */
   struct fr_file f[FR_MAX_FILES];
   long nr;      /* the runs of the last fr_remap (its work space) */
   struct fr_region r[FR_MAX_REGIONS];
+  long pfile;   /* the pattern's index in f (fr_adopt), valid while np > 0 */
+  long np;      /* its runs: where its pages lay in the process that made it */
+  struct fr_region p[FR_MAX_REGIONS];
 };
 
 long fr_state_size(void) { return sizeof(struct fr_state); }
 long fr_files(const struct fr_state *st) { return st->nfiles; }
 long fr_fd(const struct fr_state *st, long i) { return i >= 0 && i < st->nfiles ? st->f[i].fd : -1; }
+long fr_pattern(const struct fr_state *st) { return st->np > 0 ? st->pfile : -1; }
+/* The runs of the last fr_remap: (start, end, file offset) each, fr_nruns of them. */
+const struct fr_region *fr_runs(const struct fr_state *st) { return st->r; }
+long fr_nruns(const struct fr_state *st) { return st->nr; }
 
 /* The index of the file of st with this device and inode, or -1. */
 static int file_of(const struct fr_state *st, u64 dev, u64 ino) {
@@ -102,6 +109,8 @@ enum {
 #define ENOENT 2
 #define ENOMEM 12
 #define EBADF 9
+#define EPERM 1
+#define EINVAL 22
 
 /* ------------------------------------------------------------ parking */
 
@@ -599,12 +608,86 @@ long fr_remap(struct fr_state *st, char *scratch, long scratch_len, long wait_ms
   return r;
 }
 
+/* ----------------------------------------------------------- pattern */
+
+/* In the fork server: takes the pattern, the file a pattern child of the
+ * template made with fr_remap (fd: the fork server's own fd of it) after it
+ * had answered what every sandbox answers first, and its runs (where those
+ * pages lay in it; from that child, so checked here). A fork of the server
+ * lays its pages out as the pattern child did, and most of what it writes
+ * at first it writes as the pattern child did, byte for byte: fr_reclaim
+ * then maps the pattern's page over such a copy. Forks inherit it. Returns
+ * the file's length, or -errno with nothing changed. */
+long fr_adopt(struct fr_state *st, long fd, const struct fr_region *runs, long n) {
+  u64 stat[18];
+  if (st->np) return -EEXIST;
+  if (st->nfiles == FR_MAX_FILES) return -ENOSPC;
+  if (n < 1 || n > FR_MAX_REGIONS) return -EINVAL;
+  if (S2(NR_fstat, fd, stat) < 0) return -EBADF;
+  /* sealed against writes and changes of length: what a fork compared is what it maps, for good */
+  long seals = S2(NR_fcntl, fd, 1034 /* F_GET_SEALS */);
+  if (seals < 0 || (seals & 15) != 15 /* SEAL | SHRINK | GROW | WRITE */) return -EPERM;
+  u64 size = stat[6], prev = 0;
+  for (long i = 0; i < n; i++) {
+    const struct fr_region *g = &runs[i];
+    if (g->start % PAGE || g->end % PAGE || g->off % PAGE || g->start < prev || g->end <= g->start ||
+        g->end > (1UL << 56) || g->off > size || g->end - g->start > size - g->off)
+      return -EINVAL;
+    prev = g->end;
+  }
+  /* Mapped here too, read-only, private (no shared mapping for a fork to
+   * take over: forkling_inherit), not inherited, every page read: a pattern
+   * page that one fork alone maps is then still the server's too (smaps
+   * counts it shared, as the template's files: one copy for all forks). */
+  long a = S6(NR_mmap, 0, size, 1 /* READ */, 2 /* PRIVATE */, fd, 0);
+  if (a < 0 && a > -4096) return a;
+  S3(NR_madvise, a, size, 10 /* MADV_DONTFORK */);
+  for (u64 q = 0; q < size; q += PAGE) (void)*(volatile const char *)(a + q);
+  for (long i = 0; i < n; i++) st->p[i] = runs[i];
+  st->pfile = st->nfiles;
+  st->f[st->nfiles].fd = fd;
+  st->f[st->nfiles].dev = stat[0];
+  st->f[st->nfiles].ino = stat[1];
+  st->nfiles++;
+  st->np = n;
+  return (long)size;
+}
+
+/* The pattern's run that holds address a, or 0 (fr_adopt checked they are in order). */
+static const struct fr_region *pattern_run(const struct fr_state *st, u64 a) {
+  long lo = 0, hi = st->np;
+  while (lo < hi) {
+    long mid = (lo + hi) / 2;
+    if (st->p[mid].end <= a) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo < st->np && st->p[lo].start <= a ? &st->p[lo] : 0;
+}
+
+/* Maps the pattern over the pages of g (each equal to the pattern's bytes
+ * there) and empties g; returns the pages now the pattern's. A failed mmap
+ * that unmapped them makes them anonymous memory again with those bytes
+ * (restore_run). */
+static long map_pattern(const struct fr_state *st, struct fr_region *g) {
+  long fd = st->f[st->pfile].fd, n = (long)((g->end - g->start) / PAGE);
+  long got = S6(NR_mmap, g->start, g->end - g->start, 3 /* READ | WRITE */, 2 | 0x10 /* PRIVATE | FIXED */, fd, g->off);
+  if (got != (long)g->start) {
+    restore_run(fd, g);
+    n = 0;
+  }
+  g->start = g->end = g->off = 0;
+  return n;
+}
+
 /* ----------------------------------------------------------- reclaim */
 
 /* With the others parked: drops each page of this process alone (present,
  * anonymous, exclusive, not all zeros) in its private mappings of the files
  * (found again in /proc/self/maps: memory unmapped and mapped anew since a
- * remap is not a file's) whose bytes equal that file's at that offset.
+ * remap is not a file's) whose bytes equal that file's at that offset; and
+ * maps the pattern (fr_adopt) over each other such page whose bytes equal
+ * the pattern's for that address (runs of them in one mmap each, as many as
+ * the limit of mappings leaves room for: each may split a mapping in three).
  * Skips the mappings of the caller's stack and TLS. Returns the pages given
  * back, or -errno. */
 static long reclaim_parked(const struct fr_state *st) {
@@ -617,6 +700,10 @@ static long reclaim_parked(const struct fr_state *st) {
   if (buf < 0 && buf > -4096) return buf;
   char *maps = (char *)buf;
   long back = 0, r = read_proc("/proc/thread-self/maps", maps, len);
+  long nmaps = 0;
+  for (const char *q = maps; r > 0 && *q; q++) nmaps += *q == '\n';
+  long left = st->np > 0 ? runs_allowed(nmaps) : 0; /* pattern mmaps this call may make */
+  struct fr_region pend = {0, 0, 0};                /* pages to map the pattern over, not yet mapped */
   if (r > 0) r = 0;
   int pm = r == 0 ? (int)S2(NR_open, "/proc/thread-self/pagemap", 0) : -1;
   if (r == 0 && pm < 0) r = pm;
@@ -635,9 +722,30 @@ static long reclaim_parked(const struct fr_state *st) {
         const char *p = (const char *)(c + (u64)j * PAGE);
         if (is_zero(p)) continue; /* (dropped, it would read the file's hole: a page added to the file) */
         if (S4(NR_pread, st->f[k].fd, page, PAGE, l.off + ((u64)p - a)) != (long)PAGE) continue;
-        if (!same_page(p, (const char *)page)) continue;
-        if (S3(NR_madvise, p, PAGE, 4 /* MADV_DONTNEED */) == 0) back++;
+        if (same_page(p, (const char *)page)) {
+          if (S3(NR_madvise, p, PAGE, 4 /* MADV_DONTNEED */) == 0) back++;
+          continue;
+        }
+        const struct fr_region *g = left > 0 && k != st->pfile ? pattern_run(st, (u64)p) : 0;
+        if (!g) continue;
+        u64 off = g->off + ((u64)p - g->start);
+        if (S4(NR_pread, st->f[st->pfile].fd, page, PAGE, off) != (long)PAGE || !same_page(p, (const char *)page)) continue;
+        if (pend.end == (u64)p && pend.off + (pend.end - pend.start) == off) {
+          pend.end += PAGE;
+          continue;
+        }
+        if (pend.end) {
+          back += map_pattern(st, &pend);
+          if (--left == 0) continue;
+        }
+        pend.start = (u64)p;
+        pend.end = (u64)p + PAGE;
+        pend.off = off;
       }
+    }
+    if (pend.end) { /* (before the next mapping, which may be another file's) */
+      back += map_pattern(st, &pend);
+      left--;
     }
   }
   if (pm >= 0) S1(NR_close, pm);
@@ -666,6 +774,10 @@ long fr_remap(struct fr_state *st, char *scratch, long scratch_len, long wait_ms
 }
 long fr_reclaim(const struct fr_state *st, long wait_ms) {
   (void)st, (void)wait_ms;
+  return -38;
+}
+long fr_adopt(struct fr_state *st, long fd, const struct fr_region *runs, long n) {
+  (void)st, (void)fd, (void)runs, (void)n;
   return -38;
 }
 

@@ -33,7 +33,6 @@ import ctypes
 import errno
 import fcntl
 import gc
-import json
 import os
 import queue
 import re
@@ -83,6 +82,7 @@ STATE = {
     'in_server': None,  # in a fork server and its children: the server's end of its socket to the zygote
     'plan': None,      # the children's set-up steps (_setup_plan)
     'setup': None,     # in a child: where its set-up ran, 'c' (forkling_spawn.c) or 'python'
+    'pattern': None,   # zygote: the thread making its fork server's pattern (_make_pattern)
     # 'inherited', in a fork server only: what its children copy (forkling_inherit), taken once
 }
 # Fork handlers the warm-up registers with os.register_at_fork (see register()).
@@ -193,7 +193,11 @@ def op_fork(agent, conn, f):
     _check_children(f['children'])
     with _lock:
         _freeze_base()
-        return {'children': _server_fork(agent, f['children'])}
+        res = {'children': _server_fork(agent, f['children'])}
+    pattern = STATE['pattern']
+    if not f['children'] and pattern is not None:  # (the engine's prepare(): the template ready, with its pattern)
+        pattern.join(2 * PATTERN_TIMEOUT_S + READY_TIMEOUT_S)
+    return res
 
 
 def op_branch(agent, conn, f):
@@ -265,32 +269,31 @@ def _ksm_opt_in():
         _agent_mod.log('zygote: PR_SET_MEMORY_MERGE failed: %s (no KSM sharing)' % os.strerror(ctypes.get_errno()))
 
 
-def _rehearse(agent, rounds=24):
-    """Runs what every child will run first (hello, restore, eval, ping over a
-    connection) in the zygote before it is frozen: lazy imports, caches and
-    the interpreter's specialised bytecode are then filled in once, here,
-    instead of being written (and copied page by page) in every child."""
-    import socket
-    import struct
+class _Client:
+    """A client of an agent over a stream socket, as the host is (frames: a
+    4-byte length, then msgpack)."""
 
-    import msgpack
-    if agent is None:
-        return
-    a, b = socket.socketpair()
-    conn = _agent_mod.Connection(agent, a, 'zygote-rehearsal')
-    agent.connections.add(conn)
-    _agent_mod.run_thread(conn.run, name='rehearsal')
-    buf = bytearray()
+    def __init__(self, sock):
+        self.sock = sock
+        self.buf = bytearray()
+        self.last = 0
 
-    def call(i, op, **args):
-        frame = dict(args, t='req', id=i, op=op)
-        payload = msgpack.packb(frame, use_bin_type=True)
-        b.sendall(struct.pack('>I', len(payload)) + payload)
+    def send(self, op, **args):
+        import msgpack
+        self.last += 1
+        payload = msgpack.packb(dict(args, t='req', id=self.last, op=op), use_bin_type=True)
+        self.sock.sendall(struct.pack('>I', len(payload)) + payload)
+        return self.last
+
+    def answer(self, i):
+        """The answer (res or err frame) to request i; other frames are passed over."""
+        import msgpack
+        buf = self.buf
         while True:
             while len(buf) < 4 or len(buf) < 4 + struct.unpack('>I', buf[:4])[0]:
-                chunk = b.recv(65536)
+                chunk = self.sock.recv(65536)
                 if not chunk:
-                    raise OSError('rehearsal connection closed')
+                    raise OSError('the agent closed the connection')
                 buf.extend(chunk)
             n = struct.unpack('>I', buf[:4])[0]
             f = msgpack.unpackb(bytes(buf[4:4 + n]), raw=False)
@@ -298,14 +301,28 @@ def _rehearse(agent, rounds=24):
             if f.get('id') == i and f.get('t') in ('res', 'err'):
                 return f
 
+    def call(self, op, **args):
+        return self.answer(self.send(op, **args))
+
+
+def _rehearse(agent, rounds=24):
+    """Runs what every child will run first (hello, restore, eval, ping over a
+    connection) in the zygote before it is frozen: lazy imports, caches and
+    the interpreter's specialised bytecode are then filled in once, here,
+    instead of being written (and copied page by page) in every child."""
+    if agent is None:
+        return
+    a, b = socket.socketpair()
+    conn = _agent_mod.Connection(agent, a, 'zygote-rehearsal')
+    agent.connections.add(conn)
+    _agent_mod.run_thread(conn.run, name='rehearsal')
+    client = _Client(b)
     try:
         b.settimeout(10)
-        i = 0
         for _ in range(rounds):
             for op, args in (('hello', {'versions': [1]}), ('restore', {'entropy': os.urandom(64)}),
                              ('eval', {'code': '1 + 1', 'context': 'forkling-rehearsal'}), ('ping', {})):
-                i += 1
-                call(i, op, **args)
+                client.call(op, **args)
         agent.contexts.pop('forkling-rehearsal', None)
     finally:
         b.close()
@@ -324,29 +341,136 @@ def _server_fork(agent, children):
     if STATE['server'] is not None and _server_gone(STATE['server'][1]):
         _drop_server()  # it died while idle (killed for memory, say): a new one below
     if STATE['server'] is None:
-        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        pid = os.fork()
-        if pid == 0:
+        _start_server(agent)
+        if forkling_memfile.enabled():
+            STATE['pattern'] = threading.Thread(target=_make_pattern, args=(STATE['server'],), name='pattern', daemon=True)
+            STATE['pattern'].start()
+    res = _server_call(_pack_fork(children))
+    if isinstance(res, bytes):
+        try:
+            return _unpack_answer(res, children)
+        except (struct.error, ValueError) as e:
+            _drop_server()  # (out of step)
+            res = e
+    why = 'the fork server exited' if res is None else 'the fork server failed: %s' % res
+    return [{'id': ch['id'], 'ok': False, 'error': why} for ch in children]
+
+
+PATTERN_TIMEOUT_S = 10.0
+
+
+def _make_pattern(server):
+    """In the zygote, in a thread of its own, for a new fork server: the
+    template's pattern. One more child of the server, which no user ever
+    sees, answers what the host asks of every new sandbox first (hello and
+    restore together, then an eval) over its own socket, as the host would;
+    idle, it makes its memory a file where each fork gives back its copies
+    (forkling_memfile.when_idle: publish), and the fork server takes that
+    file for every later fork (adopt). Most pages a fork writes at first it
+    writes as this child did, byte for byte, at the same addresses: an idle
+    fork then maps the pattern's page over each such copy, so one copy
+    serves every fork. The pattern holds only the template's memory and
+    what our agent wrote: no user code ran in it. Forks made before it is
+    taken go without. An optimisation only: a failure is logged."""
+    name = os.urandom(6).hex()  # (a sandbox id as the host makes them: the same length, the same allocations)
+    t0 = time.monotonic()
+    why, pid, res = None, None, None
+    try:
+        with _lock:
+            if STATE['server'] is not server:
+                return
+            child = {'id': name, 'hostname': name, 'pattern': True}
+            res = _server_call(_pack_fork([child]))
+        res = _unpack_answer(res, [child])[0] if isinstance(res, bytes) else {'error': res or 'the fork server exited'}
+        if not res.get('ok'):
+            raise OSError('its child failed: %s' % res['error'])
+        pid = res['pid']
+        made = _drive_pattern(pid, name)
+        with _lock:
+            if STATE['server'] is not server:
+                return
+            res = _server_call(_pack_adopt(pid, made['fd'], made['runs']))
+        res = struct.unpack('=q', res)[0] if isinstance(res, bytes) and len(res) == 8 else res
+        if not isinstance(res, int) or res < 0:
+            raise OSError('the fork server did not take it: %s' % (os.strerror(-res) if isinstance(res, int) else res or 'it exited'))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        why = str(e) or type(e).__name__
+    finally:
+        if pid is not None:
             try:
-                a.close()
-                _server_main(agent, b)
-            except BaseException:  # noqa: BLE001 - said on the console, then the zygote answers "exited"
-                _agent_mod.log('the fork server failed:\n%s' % traceback.format_exc())
-            finally:
-                os._exit(1)
-        b.close()
-        STATE['server'] = (pid, a)
+                os.kill(pid, signal.SIGKILL)  # (the server reaps it)
+            except OSError:
+                pass
+    if why is not None:
+        _agent_mod.log('no pattern for this template\'s forks (more memory per fork): %s' % why)
+    else:
+        _agent_mod.log('pattern for forks: %d KiB in %.0f ms' % (res >> 10, (time.monotonic() - t0) * 1000))
+
+
+def _drive_pattern(pid, name):
+    """The host's first requests to the pattern child; then waits until it has
+    published (idle: a file of its own more, or it exited) and fetches what it made."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(PATTERN_TIMEOUT_S)
+        s.connect('/proc/%d/root%s/agent.sock' % (pid, RUN))
+        client = _Client(s)
+        hello = client.send('hello', versions=[1], client='forkling-host')
+        restore = client.send('restore', entropy=os.urandom(64), hostname=name, sandboxId=name)
+        for i in (hello, restore, client.send('eval', code='1 + 1')):
+            f = client.answer(i)
+            if f['t'] != 'res':
+                raise OSError('%s: %s' % (f.get('code'), f.get('message')))
+
+        def files():
+            n = 0
+            for fd in os.listdir('/proc/%d/fd' % pid):
+                try:
+                    n += os.readlink('/proc/%d/fd/%s' % (pid, fd)).startswith('/memfd:forkling-template')
+                except OSError:
+                    pass
+            return n
+        before = files()
+        deadline = time.monotonic() + PATTERN_TIMEOUT_S
+        while files() == before:  # (no request meanwhile: it would not be idle)
+            if time.monotonic() > deadline:
+                raise OSError('it did not publish within %ds' % PATTERN_TIMEOUT_S)
+            time.sleep(0.02)
+        # (its file is there once it has begun: what it made, once it is done)
+        f = client.call('eval', code='import time, forkling_memfile as m\nwhile m.STATE["published"] is None: time.sleep(0.01)\n'
+                        'm.STATE["published"]', context='forkling-pattern', timeoutMs=int(PATTERN_TIMEOUT_S * 1000))
+        made = f.get('value') if f['t'] == 'res' else None
+        if not (isinstance(made, dict) and isinstance(made.get('fd'), int) and isinstance(made.get('runs'), bytes)):
+            raise OSError('publish: %s' % (made or f.get('message')))
+        return made
+
+
+def _start_server(agent):
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    pid = os.fork()
+    if pid == 0:
+        try:
+            a.close()
+            _server_main(agent, b)
+        except BaseException:  # noqa: BLE001 - said on the console, then the zygote answers "exited"
+            _agent_mod.log('the fork server failed:\n%s' % traceback.format_exc())
+        finally:
+            os._exit(1)
+    b.close()
+    STATE['server'] = (pid, a)
+
+
+def _server_call(msg):
+    """A request to the fork server and its answer; on a broken stream (its
+    end, or an exception: returned) the server is dropped."""
     pid, sock = STATE['server']
     try:
-        _send_msg(sock, children)
+        _send_msg(sock, msg)
         res = _recv_msg(sock)
     except BaseException as e:  # noqa: BLE001 - (MemoryError mid-message too: the stream is out of step)
         res = e
-    if isinstance(res, list):
-        return res
-    _drop_server()
-    why = 'the fork server exited' if res is None else 'the fork server failed: %s' % res
-    return [{'id': ch['id'], 'ok': False, 'error': why} for ch in children]
+    if res is None or isinstance(res, BaseException):
+        _drop_server()
+    return res
 
 
 def _server_gone(sock):
@@ -367,9 +491,77 @@ def _drop_server():
         pass
 
 
-def _send_msg(sock, obj):
-    data = json.dumps(obj).encode()
-    sock.sendall(struct.pack('>I', len(data)) + data)
+# The fork server's messages (see forkling_spawn.c, which serves them in C; _server_main's
+# loop in Python where it cannot): a length, then a kind and its body, host byte order.
+FS_FORK, FS_ADOPT = 1, 2
+FS_READY, FS_CALL_FAILED, FS_CHILD_FAILED, FS_TIMED_OUT, FS_NOT_FORKED = range(5)
+FS_PATTERN = 1  # a child's flag: the template's pattern child
+FS_TEXT = 512  # what the server keeps of a child's message
+
+
+def _pack_fork(children):
+    out = [struct.pack('=II', FS_FORK, len(children))]
+    for ch in children:
+        i, h = ch['id'].encode(), ch['hostname'].encode()
+        out.append(bytes((len(i),)) + i + bytes((len(h),)) + h + bytes((FS_PATTERN if ch.get('pattern') else 0,)))
+    return b''.join(out)
+
+
+def _unpack_fork(msg):
+    """The children of an FS_FORK message (the Python loop's side); ValueError if it is not one."""
+    n, at, out = struct.unpack_from('=I', msg, 4)[0], 8, []
+    for _ in range(n):
+        i = msg[at + 1:at + 1 + msg[at]]
+        at += 1 + len(i)
+        h = msg[at + 1:at + 1 + msg[at]]
+        at += 1 + len(h)
+        out.append({'id': i.decode(), 'hostname': h.decode(), 'pattern': msg[at] == FS_PATTERN})
+        at += 1
+    if at != len(msg):
+        raise ValueError('a fork request of %d bytes, not %d' % (len(msg), at))
+    return out
+
+
+def _pack_adopt(pid, fd, runs):
+    return struct.pack('=IiiI', FS_ADOPT, pid, fd, len(runs) // 24) + runs
+
+
+def _pack_answer(results):
+    """The Python loop's answer to FS_FORK: each result ready, or failed with its text."""
+    out = [struct.pack('=I', len(results))]
+    for r in results:
+        text = b'' if r['ok'] else r['error'].encode()[:FS_TEXT]
+        out.append(struct.pack('=iiiiq', r.get('pid', 0), FS_READY if r['ok'] else FS_CHILD_FAILED, 0, len(text),
+                               int(r.get('setupMs', 0) * 1e6)) + text)
+    return b''.join(out)
+
+
+def _unpack_answer(data, children):
+    """The fork server's answer to FS_FORK for `children`, as the op fork's results."""
+    if struct.unpack_from('=I', data)[0] != len(children):
+        raise ValueError('an answer for %d children, not %d' % (struct.unpack_from('=I', data)[0], len(children)))
+    at, failed, out = 4, None, []
+    for ch in children:
+        pid, status, err, n, setup_ns = struct.unpack_from('=iiiiq', data, at)
+        text = data[at + 24:at + 24 + n].decode('utf-8', 'replace')
+        at += 24 + n
+        if status == FS_READY:
+            out.append({'id': ch['id'], 'ok': True, 'pid': pid, 'setupMs': setup_ns / 1e6})
+            continue
+        if status == FS_CALL_FAILED:
+            error = failed = 'fork: %s: %s' % (text, os.strerror(err))  # (EAGAIN at the pids limit, ENOMEM, EMFILE)
+        elif status == FS_CHILD_FAILED:
+            error = text or 'child exited during set-up'
+        elif status == FS_TIMED_OUT:
+            error = 'not ready within %ds' % READY_TIMEOUT_S
+        else:
+            error = 'not forked: %s' % failed
+        out.append({'id': ch['id'], 'ok': False, 'error': error})
+    return out
+
+
+def _send_msg(sock, data):
+    sock.sendall(struct.pack('=I', len(data)) + data)
 
 
 def _recv_msg(sock):
@@ -377,10 +569,10 @@ def _recv_msg(sock):
     head = _recv_exact(sock, 4)
     if head is None:
         return None
-    body = _recv_exact(sock, struct.unpack('>I', head)[0])
+    body = _recv_exact(sock, struct.unpack('=I', head)[0])
     if body is None:
         raise ValueError('truncated message')
-    return json.loads(body)
+    return body
 
 
 def _recv_exact(sock, n):
@@ -428,6 +620,10 @@ def _server_main(agent, sock):
     # Once, after the collection (whose finalizers may close files): one thread, no user code.
     # The warm-up's at-fork handlers may still change fds: each child checks every entry.
     STATE['inherited'] = forkling_inherit.inherited(_own_fds(agent), _output_keys(agent), _console_fds(agent))
+    if not any(AT_FORK.values()) and not (STATE['inherited'] and STATE['inherited']['shm']) \
+            and len(os.listdir('/proc/self/task')) == 1 and _spawn_lib() is not None:
+        _serve_in_c(agent, sock)  # (returns only where it cannot serve at all)
+    # In Python: the warm-up left at-fork handlers or files in /dev/shm, or no C library here.
     poller = select.poll()
     poller.register(sock.fileno(), select.POLLIN)
     while True:
@@ -435,15 +631,53 @@ def _server_main(agent, sock):
         _reap_children()
         if not ready:
             continue
-        try:
-            children = _recv_msg(sock)
-        except ValueError:
-            children = None
-        if children is None:
+        msg = _recv_msg(sock)
+        if msg is None:
             os._exit(0)  # the zygote closed its end
+        if struct.unpack_from('=I', msg)[0] == FS_ADOPT:
+            _send_msg(sock, struct.pack('=q', _adopt(msg)))
+            continue
         # One thread, unless an at-fork handler of the warm-up started one: then os.fork().
         fork = _fork_child if len(os.listdir('/proc/self/task')) == 1 else os.fork
-        _send_msg(sock, _spawn(agent, children, branch=False, fork=fork))
+        _send_msg(sock, _pack_answer(_spawn(agent, _unpack_fork(msg), branch=False, fork=fork)))
+
+
+def _serve_in_c(agent, sock):
+    """The fork server's loop in C (forkling_spawn.c's fs_serve): its memory
+    stays as it is now for every fork. Never returns in the server (it exits
+    when the zygote closes its end); in a new child, goes on as that child."""
+    arr, steps = _c_steps(STATE['plan'])
+    mf = forkling_memfile.STATE
+    serve = _Serve(sock=sock.fileno(), pidns_fd=STATE['pidns_fd'], steps=ctypes.addressof(arr), nsteps=len(steps),
+                   ready_timeout_ms=int(READY_TIMEOUT_S * 1000), reap_ms=REAP_INTERVAL_MS,
+                   adopt=ctypes.cast(mf['lib'].fr_adopt, ctypes.c_void_p).value if forkling_memfile.enabled() else None,
+                   st=mf['st'])
+    i = _SPAWN['serve'](ctypes.byref(_SPAWN['libc']), ctypes.byref(serve))
+    if i == -errno.EPIPE:
+        os._exit(0)  # the zygote closed its end
+    if i < 0:
+        if i == -errno.ENOSYS:
+            return  # (not x86-64: the loop in Python)
+        raise OSError(-i, "the fork server's loop: %s" % os.strerror(-i))
+    k = serve.child.contents
+    ch = {'id': k.id.decode(), 'hostname': k.hostname.decode(), 'pattern': bool(k.flags & FS_PATTERN)}
+    done = (_step_error(steps[k.step_failed], k.err) if k.step_failed >= 0 else None, k.keep_fd)
+    w = k.ready_w
+    del k
+    _libc.munmap(ctypes.c_void_p(serve.buf), ctypes.c_size_t(serve.buf_len))  # (our copy of the request)
+    _child_main(agent, ch, w, False, STATE['inherited'], done)  # never returns
+
+
+def _adopt(msg):
+    """The Python loop's FS_ADOPT: fr_adopt's result (the file's length, or -errno)."""
+    pid, fd, n = struct.unpack_from('=iiI', msg, 4)
+    runs = msg[16:]
+    if len(runs) != n * 24:
+        return -errno.EPROTO
+    try:
+        return forkling_memfile.adopt(pid, fd, runs)
+    except OSError as e:
+        return -(e.errno or errno.EIO)
 
 
 def _fork_child():
@@ -477,10 +711,7 @@ def _spawn(agent, children, branch, fork):
     if STATE['pidns_fd'] is None:
         STATE['pidns_fd'] = os.open('/proc/self/ns/pid', os.O_RDONLY | os.O_CLOEXEC)
     results = {}
-    if fork is _fork_child and not any(AT_FORK.values()) and not (inherited and inherited['shm']) and _spawn_lib() is not None:
-        pending = _fork_in_c(agent, children, inherited, results)
-    else:
-        pending = _fork_in_python(agent, children, branch, fork, inherited, results)
+    pending = _fork_in_python(agent, children, branch, fork, inherited, results)
     return _wait_ready(pending, results, children)
 
 
@@ -536,16 +767,24 @@ class _Step(ctypes.Structure):  # struct fs_step
 
 class _Child(ctypes.Structure):  # struct fs_child
     _fields_ = [('hostname', ctypes.c_char_p), ('hostname_len', ctypes.c_long), ('start_ns', ctypes.c_long)] + [
-        (n, ctypes.c_int) for n in ('pid', 'ready_r', 'ready_w', 'keep_fd', 'step_failed', 'failed_call', 'err')]
+        (n, ctypes.c_int) for n in ('pid', 'ready_r', 'ready_w', 'keep_fd', 'step_failed', 'failed_call', 'err', 'flags')] + [
+        ('id', ctypes.c_char_p)]
 
 
-SPAWN_VERSION = 2  # forkling_spawn.c's FS_VERSION: the structures above match its own
+class _Serve(ctypes.Structure):  # struct fs_serve
+    _fields_ = [('sock', ctypes.c_int), ('pidns_fd', ctypes.c_int), ('steps', ctypes.c_void_p), ('nsteps', ctypes.c_long),
+                ('ready_timeout_ms', ctypes.c_long), ('reap_ms', ctypes.c_long), ('adopt', ctypes.c_void_p),
+                ('st', ctypes.c_void_p), ('child', ctypes.POINTER(_Child)), ('index', ctypes.c_long),
+                ('buf', ctypes.c_void_p), ('buf_len', ctypes.c_long)]
+
+
+SPAWN_VERSION = 3  # forkling_spawn.c's FS_VERSION: the structures above match its own
 _FAILED_CALL = {1: 'pipe2', 2: 'unshare(CLONE_NEWPID)', 3: 'fork', 4: "setns back to the fork server's pid namespace"}
-_SPAWN = {}  # 'lib': fs_spawn (or None: not built), 'libc': a _Libc
+_SPAWN = {}  # 'lib': fs_spawn (or None: not built), 'serve': fs_serve, 'libc': a _Libc
 
 
 def _spawn_lib():
-    """forkling_spawn.c's fs_spawn, built next to this file (native/build.mjs), or None."""
+    """forkling_spawn.c's fs_spawn (and fs_serve), built next to this file (native/build.mjs), or None."""
     if 'lib' not in _SPAWN:
         _SPAWN['lib'] = None
         path = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'forkling_spawn.so')
@@ -555,11 +794,14 @@ def _spawn_lib():
                 raise OSError('%s is version %d, not %d: rebuild it (npm run build:native)' % (path, lib.fs_version(), SPAWN_VERSION))
             sizes = (ctypes.c_long * 4)()
             lib.fs_sizes(sizes)
-            if list(sizes[:3]) != [ctypes.sizeof(t) for t in (_Libc, _Step, _Child)]:
-                raise OSError('%s: its structures are not ours (sizes %s): rebuild it (npm run build:native)' % (path, list(sizes[:3])))
+            if list(sizes) != [ctypes.sizeof(t) for t in (_Libc, _Step, _Child, _Serve)]:
+                raise OSError('%s: its structures are not ours (sizes %s): rebuild it (npm run build:native)' % (path, list(sizes)))
             fn = lib.fs_spawn
             fn.restype = ctypes.c_int
             fn.argtypes = (ctypes.POINTER(_Libc), ctypes.c_int, ctypes.POINTER(_Child), ctypes.c_int, ctypes.POINTER(_Step), ctypes.c_int)
+            _SPAWN['serve'] = lib.fs_serve
+            _SPAWN['serve'].restype = ctypes.c_long
+            _SPAWN['serve'].argtypes = (ctypes.POINTER(_Libc), ctypes.POINTER(_Serve))
             _SPAWN['libc'] = _Libc(*[ctypes.cast(_libc[n], ctypes.c_void_p).value for n in _LIBC_FNS])
         except (OSError, AttributeError) as e:
             _agent_mod.log('forks are set up in Python (each costs more memory): %s' % e)
@@ -580,35 +822,6 @@ def _c_steps(plan):
                 arr[i].args[j] = ctypes.cast(ctypes.c_char_p(a), ctypes.c_void_p).value if isinstance(a, bytes) else (a or 0)
         plan['c_steps'] = (arr, steps)
     return plan['c_steps']
-
-
-def _fork_in_c(agent, children, inherited, results):
-    """The fork server's children, forked and set up by forkling_spawn.c: no
-    Python runs between two forks nor in a child before its set-up is done."""
-    arr, steps = _c_steps(STATE['plan'])
-    names = [ch['hostname'].encode() for ch in children]
-    kids = (_Child * len(children))()
-    for k, name in zip(kids, names):
-        k.hostname, k.hostname_len = name, len(name)
-    i = _SPAWN['lib'](ctypes.byref(_SPAWN['libc']), STATE['pidns_fd'], kids, len(children), arr, len(steps))
-    if i >= 0:  # child i: set up (or failed at a step), holding only its own ready pipe
-        k = kids[i]
-        done = (_step_error(steps[k.step_failed], k.err) if k.step_failed >= 0 else None, k.keep_fd)
-        _child_main(agent, children[i], k.ready_w, False, inherited, done)  # never returns
-    pending = []
-    failed = None
-    for ch, k in zip(children, kids):
-        if k.pid > 0:
-            pending.append((ch, k.pid, k.ready_r, k.start_ns / 1e9))
-        if k.failed_call:  # (EAGAIN at the pids limit, ENOMEM, EMFILE): it and the rest fail, the forked ones go on
-            failed = 'fork: %s: %s' % (_FAILED_CALL.get(k.failed_call, '?'), os.strerror(k.err))
-            if k.pid <= 0:
-                results[ch['id']] = {'id': ch['id'], 'ok': False, 'error': failed}
-        elif k.pid <= 0:
-            results[ch['id']] = {'id': ch['id'], 'ok': False, 'error': 'not forked: %s' % failed}
-    if i == -2:  # we may be in a child's pid namespace: no more forks here (its children die with us)
-        raise OSError(failed)
-    return pending
 
 
 def _wait_ready(pending, results, children):
@@ -682,6 +895,7 @@ def _child_main(agent, ch, w, branch, inherited, done=None):
         else:
             new_upper = done[1]
         _after_setup(ch, new_upper, inherited)
+        forkling_memfile.STATE['pattern'] = ch.get('pattern') is True
         _rebuild_agent(agent, ch, reset=server_sock is None, inherited=inherited)
         _listen(agent, RUN + '/agent.sock')
         os.write(w, b'ok')
