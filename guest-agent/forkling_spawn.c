@@ -68,11 +68,11 @@ struct fs_serve {
   /* forkling_reclaim's fr_adopt and its state, or 0: the pattern's file (fs_serve's adopt) */
   long (*adopt)(void *st, long fd, const void *runs, long n);
   void *st;
-  /* out, in a child: its entry, and the request's mapping, which it unmaps once read */
-  struct fs_child *child;
+  /* out, in a child: what it is (fs_serve has unmapped its copy of the request) */
   long index;
-  void *buf;
-  long buf_len;
+  int flags, ready_w, keep_fd, step_failed, err, pad_;
+  char id[40];
+  char hostname[72];
 };
 
 /* sizeof of each structure, for the caller's check of its copies. */
@@ -298,7 +298,7 @@ static const char *const call_name[] = {"", "pipe2", "unshare(CLONE_NEWPID)", "f
 struct wait_ { int status, text_len; long setup_ns; };
 
 /* One FS_FORK request whose body (len bytes, after the kind) is next on the
- * socket. Returns, in a child, its index (a->child and the rest set); in the
+ * socket. Returns, in a child, its index (a->id and the rest set); in the
  * server, -1 once answered, or -errno (the stream is out of step, or the
  * server must not fork again: setns back failed). */
 static long serve_fork(const struct fs_libc *c, struct fs_serve *a, long len) {
@@ -344,11 +344,17 @@ static long serve_fork(const struct fs_libc *c, struct fs_serve *a, long len) {
     at += 3 + id_len + host_len;
   }
   int i = fs_spawn(c, a->pidns_fd, kids, (int)n, a->steps, (int)a->nsteps);
-  if (i >= 0) {
-    a->child = &kids[i];
+  if (i >= 0) { /* the child: what it needs, then no copy of the request (the server rewrites it) */
+    struct fs_child *k = &kids[i];
     a->index = i;
-    a->buf = buf;
-    a->buf_len = size;
+    a->flags = k->flags;
+    a->ready_w = k->ready_w;
+    a->keep_fd = k->keep_fd;
+    a->step_failed = k->step_failed;
+    a->err = k->err;
+    copy(a->id, names[i].id, sizeof a->id);
+    copy(a->hostname, names[i].host, sizeof a->hostname);
+    sc(NR_munmap, m, size, 0, 0, 0, 0);
     return i;
   }
   /* Wait until each forked child says "ok" (ready; not waiting for the end
@@ -459,7 +465,7 @@ static long serve_adopt(struct fs_serve *a, long len) {
 }
 
 /* The fork server's loop (see above). Returns in a child: its index (see
- * a->child); in the server: -EPIPE when the zygote has closed the socket,
+ * a->id and the rest); in the server: -EPIPE when the zygote has closed the socket,
  * or another -errno when the server must end. */
 long fs_serve(const struct fs_libc *c, struct fs_serve *a) {
   for (;;) {

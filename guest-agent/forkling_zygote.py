@@ -659,13 +659,9 @@ def _serve_in_c(agent, sock):
         if i == -errno.ENOSYS:
             return  # (not x86-64: the loop in Python)
         raise OSError(-i, "the fork server's loop: %s" % os.strerror(-i))
-    k = serve.child.contents
-    ch = {'id': k.id.decode(), 'hostname': k.hostname.decode(), 'pattern': bool(k.flags & FS_PATTERN)}
-    done = (_step_error(steps[k.step_failed], k.err) if k.step_failed >= 0 else None, k.keep_fd)
-    w = k.ready_w
-    del k
-    _libc.munmap(ctypes.c_void_p(serve.buf), ctypes.c_size_t(serve.buf_len))  # (our copy of the request)
-    _child_main(agent, ch, w, False, STATE['inherited'], done)  # never returns
+    ch = {'id': serve.id.decode(), 'hostname': serve.hostname.decode(), 'pattern': bool(serve.flags & FS_PATTERN)}
+    done = (_step_error(steps[serve.step_failed], serve.err) if serve.step_failed >= 0 else None, serve.keep_fd)
+    _child_main(agent, ch, serve.ready_w, False, STATE['inherited'], done)  # never returns
 
 
 def _adopt(msg):
@@ -774,8 +770,9 @@ class _Child(ctypes.Structure):  # struct fs_child
 class _Serve(ctypes.Structure):  # struct fs_serve
     _fields_ = [('sock', ctypes.c_int), ('pidns_fd', ctypes.c_int), ('steps', ctypes.c_void_p), ('nsteps', ctypes.c_long),
                 ('ready_timeout_ms', ctypes.c_long), ('reap_ms', ctypes.c_long), ('adopt', ctypes.c_void_p),
-                ('st', ctypes.c_void_p), ('child', ctypes.POINTER(_Child)), ('index', ctypes.c_long),
-                ('buf', ctypes.c_void_p), ('buf_len', ctypes.c_long)]
+                ('st', ctypes.c_void_p), ('index', ctypes.c_long)] + [
+        (n, ctypes.c_int) for n in ('flags', 'ready_w', 'keep_fd', 'step_failed', 'err', 'pad_')] + [
+        ('id', ctypes.c_char * 40), ('hostname', ctypes.c_char * 72)]
 
 
 SPAWN_VERSION = 3  # forkling_spawn.c's FS_VERSION: the structures above match its own
