@@ -10,6 +10,10 @@ goes back to the fork server's bytes). Every fork inherits that (and the
 state below); its service thread calls
 when_idle() on each quiet tick, which gives back the fork's own pages equal
 to the file once the sandbox has been idle 2 s since its last request.
+The template's pattern child (forkling_zygote._make_pattern) instead makes
+its own memory one more file at its first quiet tick (publish()); the fork
+server takes it (adopt()), and a later fork's reclaim maps the pattern's
+page over each of its copies that holds the same bytes.
 Off unless the host sets FORKLING_PROCESS_RECLAIM=1 (the engine's option
 `reclaim`, on by default).
 """

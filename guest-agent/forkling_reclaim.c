@@ -14,7 +14,11 @@
  * goes back to the fork server's bytes, not the zygote's.
  * fr_reclaim (in a fork, when it is idle) drops each page of its own that
  * equals the bytes of the file it maps there (read from that file's fd,
- * which forks inherit).
+ * which forks inherit). fr_adopt (in the fork server) takes the template's
+ * pattern: the file a fork of it that answered a sandbox's first requests
+ * made with fr_remap; a later fork's fr_reclaim maps the pattern's page over
+ * each other copy of its own that holds the pattern's bytes for that
+ * address (most of what forks write at first, they write alike).
  *
  * Both run with every other thread of the process parked in a signal
  * handler: a write between copying a page and mapping the file over it, or

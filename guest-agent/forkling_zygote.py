@@ -22,7 +22,10 @@ its siblings see. A branch child copies its source's upper into its own.
 A zygote does not fork its children itself: at its first fork it forks one
 *fork server* (os.fork(), from one of its threads), which has a single thread
 and so can fork each child with a plain fork() and none of CPython's
-after-fork work (see _server_main).
+after-fork work (see _server_main), in a loop in C (forkling_spawn.c). The
+zygote then makes the template's pattern (_make_pattern): the memory of a
+child that answered a host's first requests, which idle forks map where
+they wrote the same bytes (forkling_memfile, forkling_reclaim.c).
 
 Only stdlib (ctypes) and the agent module; loaded by the agent if present.
 """
@@ -196,7 +199,7 @@ def op_fork(agent, conn, f):
         res = {'children': _server_fork(agent, f['children'])}
     pattern = STATE['pattern']
     if not f['children'] and pattern is not None:  # (the engine's prepare(): the template ready, with its pattern)
-        pattern.join(2 * PATTERN_TIMEOUT_S + READY_TIMEOUT_S)
+        pattern.join(PATTERN_TIMEOUT_S)  # (longer, it goes on without us: later forks take it)
     return res
 
 
@@ -374,7 +377,7 @@ def _make_pattern(server):
     taken go without. An optimisation only: a failure is logged."""
     name = os.urandom(6).hex()  # (a sandbox id as the host makes them: the same length, the same allocations)
     t0 = time.monotonic()
-    why, pid, res = None, None, None
+    why, pidfd, res = None, None, None
     try:
         with _lock:
             if STATE['server'] is not server:
@@ -385,6 +388,7 @@ def _make_pattern(server):
         if not res.get('ok'):
             raise OSError('its child failed: %s' % res['error'])
         pid = res['pid']
+        pidfd = os.pidfd_open(pid)  # (it waits for us: alive; killed by this fd, never by a number used again)
         made = _drive_pattern(pid, name)
         with _lock:
             if STATE['server'] is not server:
@@ -393,14 +397,15 @@ def _make_pattern(server):
         res = struct.unpack('=q', res)[0] if isinstance(res, bytes) and len(res) == 8 else res
         if not isinstance(res, int) or res < 0:
             raise OSError('the fork server did not take it: %s' % (os.strerror(-res) if isinstance(res, int) else res or 'it exited'))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        why = str(e) or type(e).__name__
+    except Exception as e:  # noqa: BLE001 - an optimisation: said on the console, forks go on
+        why = '%s: %s' % (type(e).__name__, e)
     finally:
-        if pid is not None:
+        if pidfd is not None:
             try:
-                os.kill(pid, signal.SIGKILL)  # (the server reaps it)
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)  # (the server reaps it)
             except OSError:
                 pass
+            os.close(pidfd)
     if why is not None:
         _agent_mod.log('no pattern for this template\'s forks (more memory per fork): %s' % why)
     else:
@@ -598,7 +603,10 @@ def _server_main(agent, sock):
     the GIL, a lock or the import lock, or own a thread state), and skipping
     them keeps each child from writing (and so copying) ~750 KiB of pages at
     once (~280 KiB less in the end: later work touches some of them anyway).
-    The agent's state is reset here once, so children start from it as is."""
+    The agent's state is reset here once, so children start from it as is.
+    After its set-up it serves in C (_serve_in_c): its memory then stays as
+    it is for every fork, so no child holds a copy of a page it wrote for an
+    earlier request, and each matches the template's pattern."""
     global _lock, ROLE
     STATE['in_server'] = sock
     _lock = threading.Lock()  # the zygote held it across the fork

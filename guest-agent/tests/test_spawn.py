@@ -2,8 +2,11 @@
 driven with forkling_zygote's own structures and plan steps: each child is
 PID 1 of a new pid namespace, runs the steps (its own host name, lo up, a
 kept fd), holds only its own ready pipe, and a failing step is reported with
-its index and errno. Needs root (new pid, uts and network namespaces) and
-the built library (npm run build:native)."""
+its index and errno. And its server loop (fs_serve), spoken to with
+forkling_zygote's messages: children ready, failed (with what they said),
+timed out (killed) or not forked; a failed call; an adoption it cannot do;
+a message it does not know; the zygote's end closed. Needs root (new pid,
+uts and network namespaces) and the built library (npm run build:native)."""
 
 import ctypes
 import errno
@@ -150,6 +153,103 @@ class SpawnTest(unittest.TestCase):
             self.assertNotIn(o['host'], ('one', 'two'), 'steps after the failed one ran')
         e = z._step_error(steps[1], errno.EEXIST)
         self.assertIn('mkdir %s' % self.tmp, str(e))
+
+
+def _serve_child(serve):
+    """In a child fs_serve forked (it returned its index): as its id says, say ok (if what it was
+    told is what it is), fail with a text, or hang."""
+    try:
+        name, host = serve.id.decode(), serve.hostname.decode()
+        if name.startswith('slow'):
+            import time
+            time.sleep(30)
+        seen = '%s %s %d pid %d' % (name, socket.gethostname() == host, serve.flags, os.getpid())
+        ok = name.startswith('ok') and seen == '%s True 0 pid 1' % name
+        os.write(serve.ready_w, b'ok' if ok else seen.encode())
+    finally:
+        os._exit(0)
+
+
+@unittest.skipUnless(os.geteuid() == 0 and os.uname().machine == 'x86_64', 'needs root and x86-64')
+class ServeTest(unittest.TestCase):
+    def setUp(self):
+        z._agent_mod = _Log
+        z._SPAWN.clear()
+        self.assertIsNotNone(z._spawn_lib())
+        self.pidns = os.open('/proc/self/ns/pid', os.O_RDONLY | os.O_CLOEXEC)
+        self.addCleanup(os.close, self.pidns)
+
+    def server(self, ready_timeout_ms=10000, no_fds=False):
+        """A fork server (a fork of this process) in fs_serve; returns (our end of its socket, its pid)."""
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        steps = [z._step('unshare', z.CLONE_NEWUTS), z._step('sethostname', kind=z.STEP_HOSTNAME, what='sethostname')]
+        arr, flat = z._c_steps({'before_layer': steps, 'after_layer': [], 'pivot': []})
+        pid = os.fork()
+        if pid == 0:
+            code = 99
+            try:
+                a.close()
+                if no_fds:  # (no fd free below the limit: pipe2 fails)
+                    import resource
+                    used = set(map(int, os.listdir('/proc/self/fd')))
+                    lowest_free = min(set(range(len(used) + 1)) - used)
+                    resource.setrlimit(resource.RLIMIT_NOFILE, (lowest_free, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+                serve = z._Serve(sock=b.fileno(), pidns_fd=self.pidns, steps=ctypes.addressof(arr), nsteps=len(flat),
+                                 ready_timeout_ms=ready_timeout_ms, reap_ms=50)
+                i = z._SPAWN['serve'](ctypes.byref(z._SPAWN['libc']), ctypes.byref(serve))
+                if i >= 0:
+                    _serve_child(serve)
+                code = -i
+            finally:
+                os._exit(code)
+        b.close()
+        self.addCleanup(a.close)
+        return a, pid
+
+    @staticmethod
+    def ask(sock, children):
+        z._send_msg(sock, z._pack_fork(children))
+        return z._unpack_answer(z._recv_msg(sock), children)
+
+    def test_serves_until_the_zygote_closes(self):
+        sock, pid = self.server()
+        kids = [{'id': 'ok-a', 'hostname': 'alpha'}, {'id': 'fail-b', 'hostname': 'beta', 'pattern': True},
+                {'id': 'ok-c', 'hostname': 'gamma'}]
+        got = self.ask(sock, kids)
+        self.assertEqual([r['ok'] for r in got], [True, False, True], got)
+        self.assertEqual(got[1]['error'], 'fail-b True 1 pid 1', 'what the child said, and what it was told')
+        for r in (got[0], got[2]):
+            self.assertGreater(r['pid'], 0)
+            self.assertGreater(r['setupMs'], 0)
+        again = self.ask(sock, [{'id': 'ok-d', 'hostname': 'delta'}])  # (the loop goes on)
+        self.assertTrue(again[0]['ok'], again)
+        z._send_msg(sock, z._pack_adopt(1, 3, b''))  # (no fr_adopt given: refused)
+        self.assertEqual(struct.unpack('=q', z._recv_msg(sock))[0], -errno.ENOSYS)
+        sock.shutdown(socket.SHUT_WR)
+        _, status = os.waitpid(pid, 0)
+        self.assertEqual(os.waitstatus_to_exitcode(status), errno.EPIPE, 'the zygote closed its end')
+
+    def test_a_child_not_ready_in_time_is_killed(self):
+        sock, pid = self.server(ready_timeout_ms=300)
+        got = self.ask(sock, [{'id': 'slow-a', 'hostname': 'alpha'}, {'id': 'ok-b', 'hostname': 'beta'}])
+        self.assertIn('not ready within', got[0]['error'])
+        self.assertTrue(got[1]['ok'], got)
+        sock.close()
+        os.waitpid(pid, 0)
+
+    def test_a_failed_call_fails_the_rest(self):
+        sock, pid = self.server(no_fds=True)
+        got = self.ask(sock, [{'id': 'ok-a', 'hostname': 'alpha'}, {'id': 'ok-b', 'hostname': 'beta'}])
+        self.assertEqual(got[0], {'id': 'ok-a', 'ok': False, 'error': 'fork: pipe2: %s' % os.strerror(errno.EMFILE)})
+        self.assertEqual(got[1]['error'], 'not forked: ' + got[0]['error'])
+        sock.close()
+        os.waitpid(pid, 0)
+
+    def test_a_message_it_does_not_know_ends_it(self):
+        sock, pid = self.server()
+        z._send_msg(sock, struct.pack('=I', 9))
+        _, status = os.waitpid(pid, 0)
+        self.assertEqual(os.waitstatus_to_exitcode(status), errno.EPROTO)
 
 
 if __name__ == '__main__':

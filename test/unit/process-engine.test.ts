@@ -363,20 +363,23 @@ test("pipes, socket pairs, eventfds, asyncio's epoll and a template's subprocess
 });
 
 test('a fork server that dies in the middle of a request leaves no child behind; children already handed out live on', async () => {
-  // The warm-up's at-fork handler stops the fork server after its fifth fork, in the middle of
-  // the second request (forks 3-5), while the host still waits for its answer.
+  // The warm-up's at-fork handler stops the fork server once it has five children, in the
+  // middle of the second request (its third), while the host still waits for its answer.
+  // (Counted live, not forked: the template's pattern child, made and gone before prepare()
+  // returns, was a fork too, if its zygote could make one.)
   await withTemplate('dies', [
     'import os, time',
-    'forks = [0]',
     'def after():',
     '    if os.environ.get("FORKLING_PROCESS_ROLE") == "sandbox" and "FORKLING_SANDBOX_ID" not in os.environ:  # the fork server',
-    '        forks[0] += 1',
-    '        if forks[0] == 5:',
+    '        if len(open("/proc/self/task/%d/children" % os.getpid()).read().split()) == 5:',
     '            time.sleep(120)',
     'os.register_at_fork(after_in_parent=after)',
   ], async (name, kids) => {
+    await engine.prepare(name);
     const zygote = engine.zygotePid(name)!;
     const family = (pid: number): number[] => childrenOf(pid).flatMap((k) => (alive(k) ? [k, ...family(k)] : []));
+    const first = childrenOf(zygote).find((p) => !pidOneOwnNs(p))!;
+    assert.ok(await pollUntil(() => childrenOf(first).length === 0, 5000), 'the pattern child gone and reaped');
     kids.push(...(await engine.fork(name, 2))); // the server's first two forks
     // forks listening: PID 1 of a pid namespace of their own, with a socket in their own root
     // (not the zygote's socket, still seen there by a fork that has not pivoted into its own root yet)
@@ -466,6 +469,7 @@ test('a fork the host never connects to (it gave up on the request) exits by its
 test("an idle fork gives back its copies of the template's bytes (reclaim); what it holds stays as it was; the template file is sealed", async () => {
   const warm = ['import threading', 'BIG = [str(i) * 20 for i in range(200000)]', 'TOTAL = sum(len(x) for x in BIG)'];
   await withTemplate('reclaim', warm, async (name, kids) => {
+    await engine.prepare(name); // (its pattern made: forks from here on map it where they match it)
     kids.push(...(await engine.fork(name, 2)));
     const [a, b] = kids as [Sandbox, Sandbox];
     // touch (and leave as they were) many of the template's objects; state of its own; a thread
@@ -480,18 +484,32 @@ test("an idle fork gives back its copies of the template's bytes (reclaim); what
     assert.ok(await pollUntil(() => priv() < busy - 256, 10000, 200), `gave back (was ${busy} KiB, now ${priv()})`);
     assert.equal(await val(a.agent, '(sum(len(x) for x in BIG) == TOTAL, MINE["k"][-1], BIG[123456])'), [true, 999, '123456'.repeat(20)]);
     assert.equal(await val(b.agent, '(len(BIG), TOTAL == sum(len(x) for x in BIG), "MINE" in globals())'), [200000, true, false]);
-    // the file every fork maps: its fd is in each fork, and refuses what would change it for the others
+    // Three files mapped (the zygote's, the fork server's layer, the pattern), and the fork's memory
+    // maps each; one fd of each in the fork (its own: opened again after the fork).
+    const files = (await val(
+      a.agent,
+      'import os\n' +
+        'fds = [int(n) for n in os.listdir("/proc/self/fd") if os.path.exists("/proc/self/fd/" + n) and "forkling-template" in os.readlink("/proc/self/fd/" + n)]\n' +
+        'inodes = {os.fstat(fd).st_ino for fd in fds}\n' +
+        'mapped = {int(l.split()[4]) for l in open("/proc/self/maps") if "forkling-template" in l}\n' +
+        '(len(fds), len(inodes), inodes <= mapped)',
+    )) as [number, number, boolean];
+    assert.equal(files, [3, 3, true], 'the files of the template and of its pattern, each mapped');
+    // the files every fork maps: an fd of each is in each fork, and each refuses what would change it for the others
     const sealed = (await val(
       a.agent,
-      'import os, errno\n' +
-        'fd = next(int(n) for n in os.listdir("/proc/self/fd") if "forkling-template" in (os.readlink("/proc/self/fd/" + n) if os.path.exists("/proc/self/fd/" + n) else ""))\n' +
-        'import fcntl\nout = [fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY]  # its own, read-only (no offset shared with siblings)\n' +
-        'fd = os.open("/proc/self/fd/%d" % fd, os.O_RDWR)  # (opened again for writing)\n' +
-        'for f in (lambda: os.pwrite(fd, b"x", 0), lambda: os.ftruncate(fd, 0), lambda: os.ftruncate(fd, 1 << 40)):\n' +
-        '    try:\n        f(); out.append("done")\n    except OSError as e:\n        out.append(errno.errorcode[e.errno])\n' +
-        'out',
-    )) as (string | boolean)[];
-    assert.equal(sealed, [true, 'EPERM', 'EPERM', 'EPERM']);
+      'import os, errno, fcntl\n' +
+        'fds = sorted(int(n) for n in os.listdir("/proc/self/fd") if "forkling-template" in (os.readlink("/proc/self/fd/" + n) if os.path.exists("/proc/self/fd/" + n) else ""))\n' +
+        'res = []\n' +
+        'for fd in fds:\n' +
+        '    out = [fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY]  # its own, read-only (no offset shared with siblings)\n' +
+        '    fd = os.open("/proc/self/fd/%d" % fd, os.O_RDWR)  # (opened again for writing)\n' +
+        '    for f in (lambda: os.pwrite(fd, b"x", 0), lambda: os.ftruncate(fd, 0), lambda: os.ftruncate(fd, 1 << 40)):\n' +
+        '        try:\n            f(); out.append("done")\n        except OSError as e:\n            out.append(errno.errorcode[e.errno])\n' +
+        '    res.append(out)\n' +
+        'res',
+    )) as (string | boolean)[][];
+    assert.equal(sealed, [[true, 'EPERM', 'EPERM', 'EPERM'], [true, 'EPERM', 'EPERM', 'EPERM'], [true, 'EPERM', 'EPERM', 'EPERM']]);
   });
   // off: no file, nothing given back
   const off = new ProcessEngine({ warn: () => {}, pidsPerSandbox: 64, reclaim: false });

@@ -1,0 +1,204 @@
+"""forkling_reclaim.c's pattern: a process remaps its memory (fr_remap); a
+fork of it (the pattern child) writes some pages and makes them a file of
+its own (fr_remap again); the process takes that file (fr_adopt, which
+refuses what is not sealed or whose runs are out of order or past its end);
+a later fork that wrote the same bytes to the same pages gets the pattern's
+pages mapped over its copies at reclaim (fr_reclaim), keeps the pages that
+differ, loses no write made while it reclaims, and what it writes after is
+its own. Needs the built library (npm run build:native); x86-64."""
+
+import ctypes
+import errno
+import mmap
+import os
+import subprocess
+import sys
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import test_reclaim as tr  # noqa: E402
+
+PAGE = tr.PAGE
+RUN = 24  # sizeof(struct fr_region)
+
+
+def load():
+    lib = ctypes.CDLL(tr.SO)
+    for fn in (lib.fr_remap, lib.fr_reclaim, lib.fr_state_size, lib.fr_files, lib.fr_fd, lib.fr_pattern, lib.fr_nruns, lib.fr_adopt):
+        fn.restype = ctypes.c_long
+    lib.fr_runs.restype = ctypes.c_void_p
+    for fn in (lib.fr_files, lib.fr_pattern, lib.fr_runs, lib.fr_nruns):
+        fn.argtypes = (ctypes.c_void_p,)
+    lib.fr_fd.argtypes = (ctypes.c_void_p, ctypes.c_long)
+    lib.fr_adopt.argtypes = (ctypes.c_void_p, ctypes.c_long, ctypes.c_char_p, ctypes.c_long)
+    lib.fr_remap.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long)
+    lib.fr_reclaim.argtypes = (ctypes.c_void_p, ctypes.c_long)
+    return lib
+
+
+def run(start, end, off):
+    return (start).to_bytes(8, 'little') + (end).to_bytes(8, 'little') + (off).to_bytes(8, 'little')
+
+
+def inode(at):
+    return int(tr.maps_entry(at)[4])
+
+
+class Scenario:
+    """Runs in a process of its own (the remaps change it for good)."""
+
+    def __init__(self):
+        self.lib = load()
+        self.region = tr.apart(8, 0x21)  # (before the state and scratch: a mapping merged with them is left out)
+        self.state = mmap.mmap(-1, self.lib.fr_state_size(), flags=mmap.MAP_PRIVATE)
+        self.scratch = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE)
+        self.st = ctypes.addressof(ctypes.c_char.from_buffer(self.state))
+        self.bufs = [bytearray(b'\x07' * (16 * PAGE)) for _ in range(2)]  # toggled while forks reclaim
+
+    def remap(self):
+        n = self.lib.fr_remap(self.st, ctypes.addressof(ctypes.c_char.from_buffer(self.scratch)), len(self.scratch), 2000)
+        if n < 0:
+            raise OSError(-n, 'fr_remap: ' + os.strerror(-n))
+
+    def page(self, i):
+        return self.region + i * PAGE
+
+    def fill(self, i, byte):
+        ctypes.memset(self.page(i), byte, PAGE)
+
+    def pattern_child(self):
+        """Forks the pattern child: pages 0, 1, 3 and 4 of the region and the buffers its own, then
+        its file. Returns (its pid, its fd of the file, the runs, a pipe end that lets it exit)."""
+        r, w = os.pipe()
+        done_r, done_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.close(done_w)
+                for i, byte in ((0, 0x41), (1, 0x42), (3, 0x43), (4, 0x44)):
+                    self.fill(i, byte)
+                for b in self.bufs:
+                    b[:] = b'\x08' * len(b)
+                self.remap()
+                lib, st = self.lib, self.st
+                fd = lib.fr_fd(st, lib.fr_files(st) - 1)
+                runs = ctypes.string_at(lib.fr_runs(st), lib.fr_nruns(st) * RUN)
+                os.write(w, repr((fd, runs)).encode())
+                os.read(done_r, 1)
+            finally:
+                os._exit(0)
+        os.close(w)
+        os.close(done_r)
+        fd, runs = eval(os.read(r, 1 << 20).decode())  # noqa: S307 - our own fork's repr
+        os.close(r)
+        return pid, fd, runs, done_w
+
+    def refusals(self, fd, runs):
+        """fr_adopt's checks, each refused with nothing changed."""
+        lib, st = self.lib, self.st
+        out = {}
+        unsealed = os.memfd_create('unsealed', os.MFD_ALLOW_SEALING)
+        os.ftruncate(unsealed, 16 * PAGE)
+        out['unsealed'] = lib.fr_adopt(st, unsealed, run(self.region, self.region + PAGE, 0), 1)
+        os.close(unsealed)
+        size = os.fstat(fd).st_size
+        first = int.from_bytes(runs[:8], 'little')
+        out['past_end'] = lib.fr_adopt(st, fd, run(first, first + PAGE, size), 1)
+        out['misaligned'] = lib.fr_adopt(st, fd, run(first + 1, first + PAGE + 1, 0), 1)
+        out['out_of_order'] = lib.fr_adopt(st, fd, run(first + PAGE, first + 2 * PAGE, 0) + run(first, first + PAGE, 0), 2)
+        out['none'] = lib.fr_adopt(st, fd, b'', 0)
+        out['left_as_it_was'] = (lib.fr_pattern(st), lib.fr_files(st))
+        return out
+
+    def fork_that_writes(self, same):
+        """In a fork: writes the pattern's bytes (or others where `same` says not) and the
+        buffers, reclaims (while threads toggle the buffers), and reports what it sees."""
+        lib, st = self.lib, self.st
+        for i, byte in ((0, 0x41), (1, 0x42 if same else 0x99), (3, 0x43), (4, 0x44)):
+            self.fill(i, byte)
+        self.fill(2, 0x21)  # (the template's bytes again: given back to its file)
+        for b in self.bufs:
+            b[:] = b'\x08' * len(b)
+        before = tr.private_kib()
+        n = lib.fr_reclaim(st, 2000)
+        after = tr.private_kib()
+        pattern_ino = os.fstat(lib.fr_fd(st, lib.fr_pattern(st))).st_ino
+        seen = {
+            'given': n, 'before': before, 'after': after,
+            'pattern': [inode(self.page(i)) == pattern_ino for i in range(5)],
+            'file_page': [tr.file_page(self.page(i)) for i in range(5)],
+            'bytes': [ctypes.string_at(self.page(i), 1)[0] for i in range(5)],
+            'whole': all(ctypes.string_at(self.page(i), PAGE) == bytes((b,)) * PAGE
+                         for i, b in enumerate((0x41, 0x42 if same else 0x99, 0x21, 0x43, 0x44))),
+        }
+        with tr.toggling(self.bufs, 3) as togglers:
+            for _ in range(30):
+                k = lib.fr_reclaim(st, 2000)
+                if k < 0:
+                    raise OSError(-k, 'fr_reclaim: ' + os.strerror(-k))
+        seen['errors'] = [e for t in togglers for e in t.errors]
+        seen['rounds'] = min(t.rounds for t in togglers)
+        seen['bufs_kept'] = all(b == b'\x08' * len(b) for b in self.bufs)
+        seen['bufs_pattern'] = tr.maps_entry(ctypes.addressof(ctypes.c_char.from_buffer(self.bufs[0])) + 8 * PAGE)[4] == str(pattern_ino)
+        self.fill(0, 0x77)  # its own from here on
+        seen['written_after'] = ctypes.string_at(self.page(0), 1)[0]
+        return seen
+
+    def main(self):
+        self.remap()  # the template's file (as the zygote's)
+        lib, st = self.lib, self.st
+        pid, fd, runs, done = self.pattern_child()
+        mine = os.open('/proc/%d/fd/%d' % (pid, fd), os.O_RDONLY | os.O_CLOEXEC)
+        report = {'refused': self.refusals(mine, runs)}
+        report['adopted'] = lib.fr_adopt(st, mine, runs, len(runs) // RUN)
+        report['again'] = lib.fr_adopt(st, mine, runs, len(runs) // RUN)
+        report['pattern_index'], report['files'] = lib.fr_pattern(st), lib.fr_files(st)
+        report['file_size'] = os.fstat(mine).st_size
+        os.close(done)
+        os.waitpid(pid, 0)  # (the pattern child gone: its file lives on with our fd)
+        status, report['fork'] = tr.in_fork(lambda: self.fork_that_writes(True))
+        status2, report['sibling'] = tr.in_fork(lambda: self.fork_that_writes(False))
+        report['status'] = (status, status2)
+        report['here'] = [ctypes.string_at(self.page(i), 1)[0] for i in range(5)]
+        return report
+
+
+@unittest.skipUnless(os.path.exists(tr.SO) and os.uname().machine == 'x86_64', 'forkling_reclaim.so not built (npm run build:native)')
+class PatternTest(unittest.TestCase):
+    def test_pattern(self):
+        done = subprocess.run([sys.executable, os.path.abspath(__file__), '--child'], capture_output=True, timeout=120)
+        self.assertEqual(done.returncode, 0, done.stderr.decode()[-3000:])
+        r = eval(done.stdout.decode())  # noqa: S307 - our own child's repr
+        self.assertEqual(r['refused'], {'unsealed': -errno.EPERM, 'past_end': -errno.EINVAL, 'misaligned': -errno.EINVAL,
+                                        'out_of_order': -errno.EINVAL, 'none': -errno.EINVAL, 'left_as_it_was': (-1, 1)}, r)
+        self.assertEqual(r['adopted'], r['file_size'], r)
+        self.assertGreater(r['file_size'], 0, r)
+        self.assertEqual((r['again'], r['pattern_index'], r['files']), (-errno.EEXIST, 1, 2), r)
+        self.assertEqual(r['status'], (0, 0), r)
+        f = r['fork']
+        # pages 0, 1, 3, 4: the pattern's now; page 2: its template file's again; all read as written
+        self.assertEqual(f['pattern'], [True, True, False, True, True], r)
+        self.assertEqual(f['file_page'], [True] * 5, r)
+        self.assertTrue(f['whole'], r)
+        self.assertGreaterEqual(f['given'], 5, r)
+        self.assertLessEqual(f['after'], f['before'] - 5 * 4, r)
+        self.assertEqual((f['errors'], f['bufs_kept'], f['bufs_pattern']), ([], True, True), r)
+        self.assertGreater(f['rounds'], 0, r)
+        self.assertEqual(f['written_after'], 0x77, r)
+        # a sibling that wrote other bytes to page 1 keeps its own copy there; the first fork's
+        # write after its reclaim is not in the pattern
+        s = r['sibling']
+        self.assertEqual(s['pattern'], [True, False, False, True, True], r)
+        self.assertEqual(s['file_page'], [True, False, True, True, True], r)
+        self.assertEqual(s['bytes'], [0x41, 0x99, 0x21, 0x43, 0x44], r)
+        self.assertTrue(s['whole'], r)
+        self.assertEqual(r['here'], [0x21] * 5, 'the process that took the pattern kept its own bytes')
+
+
+if __name__ == '__main__':
+    if sys.argv[1:] == ['--child']:
+        print(repr(Scenario().main()))
+    else:
+        unittest.main()
