@@ -45,6 +45,7 @@ QUIET_TICKS = 4
 # The pattern child (publish) after one: its pages then match a fork's as well as after four
 # (measured), and a template is ready with its pattern ~1.5 s sooner.
 PATTERN_TICKS = 1
+PATTERN_FRAMES = 3
 
 
 def _load(log):
@@ -127,7 +128,7 @@ def adopt(pid, fd, runs):
     if not isinstance(runs, bytes) or len(runs) % RUN_BYTES:
         raise OSError(errno.EINVAL, 'runs: not a whole number of struct fr_region')
     lib, st = STATE['lib'], STATE['st']
-    mine = os.open('/proc/%d/fd/%d' % (pid, fd), os.O_RDONLY | os.O_CLOEXEC)
+    mine = os.open('/proc/%d/fd/%d' % (pid, fd), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # (never a FIFO's wait)
     n = lib.fr_adopt(st, mine, runs, len(runs) // RUN_BYTES)
     if n < 0:
         os.close(mine)
@@ -140,6 +141,8 @@ def after_fork():
     """In a new fork or branch, before sandbox code runs: an open file description of each
     file of its own (through /proc: the same file), so that siblings share no file offset
     or flags through it (a channel between sandboxes)."""
+    if enabled():  # (the files as its parent had them at the fork: a pattern the fork server took in C too)
+        STATE['fds'] = tuple(STATE['lib'].fr_fd(STATE['st'], i) for i in range(STATE['lib'].fr_files(STATE['st'])))
     for fd in STATE['fds']:
         mine = os.open('/proc/self/fd/%d' % fd, os.O_RDONLY | os.O_CLOEXEC)
         os.dup2(mine, fd, inheritable=False)
@@ -160,6 +163,8 @@ def when_idle(activity, idle, log):
     STATE['seen'] = activity
     if STATE['quiet'] < (PATTERN_TICKS if STATE['pattern'] else QUIET_TICKS) or activity == STATE['done_at']:
         return
+    if STATE['pattern'] and activity < PATTERN_FRAMES:
+        return  # (not before it has answered what the zygote sends it: hello, restore, eval)
     STATE['done_at'] = activity
     if STATE['pattern']:  # here, as a fork reclaims: in the same state
         STATE['pattern'] = False

@@ -289,7 +289,12 @@ static int same_page(const char *x, const char *y) {
 
 /* A mapping to make the file's: private, read-write, plain memory; none of
  * ours; not wipe-on-fork, dont-copy, locked, hugetlb, I/O or userfaultfd. */
-struct mapping { u64 start, end; int anon, ok, layer; /* layer: a mapping of one of st's files */ };
+struct mapping {
+  u64 start, end, off; /* off: its file offset */
+  int anon, ok, layer; /* layer: a mapping of one of st's files */
+  int file;            /* ... its index in st (-1: none) */
+  int rwp;             /* readable, writable, private (executable or not) */
+};
 
 static int vmflags_ok(const char *f) {
   static const char *const bad[] = {"wf", "dc", "lo", "ht", "io", "pf", "um", "uw", "gd", "sh", "ss", "sl", "mm"};
@@ -356,7 +361,10 @@ static int next_mapping(const struct fr_state *st, const char **s, struct mappin
   const char *perm = l.perm, *name = l.name;
   m->start = l.start;
   m->end = l.end;
-  m->layer = l.ino && file_of(st, l.dev, l.ino) >= 0;
+  m->off = l.off;
+  m->file = l.ino ? file_of(st, l.dev, l.ino) : -1;
+  m->layer = m->file >= 0;
+  m->rwp = perm[0] == 'r' && perm[1] == 'w' && perm[3] == 'p';
   m->anon = !*name || *name == '\n' || starts(name, "[heap]") || starts(name, "[anon:");
   /* (not executable: the file is mapped read-write only) */
   m->ok = perm[0] == 'r' && perm[1] == 'w' && perm[2] == '-' && perm[3] == 'p' && (m->anon || m->layer || *name == '/');
@@ -687,36 +695,37 @@ static long map_pattern(const struct fr_state *st, struct fr_region *g) {
 
 /* With the others parked: drops each page of this process alone (present,
  * anonymous, exclusive, not all zeros) in its private mappings of the files
- * (found again in /proc/self/maps: memory unmapped and mapped anew since a
+ * (found again in /proc/self/smaps: memory unmapped and mapped anew since a
  * remap is not a file's) whose bytes equal that file's at that offset; and
  * maps the pattern (fr_adopt) over each other such page whose bytes equal
  * the pattern's for that address (runs of them in one mmap each, as many as
- * the limit of mappings leaves room for: each may split a mapping in three).
- * Skips the mappings of the caller's stack and TLS. Returns the pages given
- * back, or -errno. */
+ * the limit of mappings leaves room for: each may split a mapping in three),
+ * where the mapping is one fr_remap would take (read-write, not executable,
+ * no flag or key the new mapping would lose: sandbox code may have changed
+ * them since). Skips the mappings of the caller's stack and TLS. Returns the
+ * pages given back, or -errno. */
 static long reclaim_parked(const struct fr_state *st) {
   u64 ent[512], page[512], stat[18];
   u64 me = (u64)ent, tp = thread_pointer();
   for (long i = 0; i < st->nfiles; i++)
     if (S2(NR_fstat, st->f[i].fd, stat) < 0 || stat[0] != st->f[i].dev || stat[1] != st->f[i].ino) return -EBADF;
-  const long len = 4 << 20;
+  const long len = 32 << 20; /* (touched as far as smaps goes) */
   long buf = S6(NR_mmap, 0, len, 3, 0x22 /* PRIVATE | ANONYMOUS */, -1, 0);
   if (buf < 0 && buf > -4096) return buf;
-  char *maps = (char *)buf;
-  long back = 0, r = read_proc("/proc/thread-self/maps", maps, len);
+  char *smaps = (char *)buf;
+  long back = 0, r = read_proc("/proc/thread-self/smaps", smaps, len);
   long nmaps = 0;
-  for (const char *q = maps; r > 0 && *q; q++) nmaps += *q == '\n';
+  struct mapping m;
+  for (const char *q = smaps; r > 0 && next_mapping(st, &q, &m, 0, 0);) nmaps++;
   long left = st->np > 0 ? runs_allowed(nmaps) : 0; /* pattern mmaps this call may make */
   struct fr_region pend = {0, 0, 0};                /* pages to map the pattern over, not yet mapped */
   if (r > 0) r = 0;
   int pm = r == 0 ? (int)S2(NR_open, "/proc/thread-self/pagemap", 0) : -1;
   if (r == 0 && pm < 0) r = pm;
-  for (const char *s = maps; r == 0 && *s;) {
-    struct maps_line l;
-    maps_line(&s, &l);
-    u64 a = l.start, b = l.end;
-    int k = l.ino ? file_of(st, l.dev, l.ino) : -1;
-    if (k < 0 || l.perm[0] != 'r' || l.perm[1] != 'w' || l.perm[3] != 'p') continue;
+  for (const char *s = smaps; r == 0 && next_mapping(st, &s, &m, 0, 0);) {
+    u64 a = m.start, b = m.end;
+    int k = m.file;
+    if (k < 0 || !m.rwp) continue;
     if (in(me, a, b) || in(tp, a, b)) continue;
     for (u64 c = a; c < b && r == 0; c += 512 * PAGE) {
       long cnt = (long)((b - c) / PAGE < 512 ? (b - c) / PAGE : 512);
@@ -725,12 +734,12 @@ static long reclaim_parked(const struct fr_state *st) {
         if ((ent[j] & (PM_PRESENT | PM_FILE | PM_EXCLUSIVE)) != (PM_PRESENT | PM_EXCLUSIVE)) continue;
         const char *p = (const char *)(c + (u64)j * PAGE);
         if (is_zero(p)) continue; /* (dropped, it would read the file's hole: a page added to the file) */
-        if (S4(NR_pread, st->f[k].fd, page, PAGE, l.off + ((u64)p - a)) != (long)PAGE) continue;
+        if (S4(NR_pread, st->f[k].fd, page, PAGE, m.off + ((u64)p - a)) != (long)PAGE) continue;
         if (same_page(p, (const char *)page)) {
           if (S3(NR_madvise, p, PAGE, 4 /* MADV_DONTNEED */) == 0) back++;
           continue;
         }
-        const struct fr_region *g = left > 0 && k != st->pfile ? pattern_run(st, (u64)p) : 0;
+        const struct fr_region *g = left > 0 && m.ok && k != st->pfile ? pattern_run(st, (u64)p) : 0;
         if (!g) continue;
         u64 off = g->off + ((u64)p - g->start);
         if (S4(NR_pread, st->f[st->pfile].fd, page, PAGE, off) != (long)PAGE || !same_page(p, (const char *)page)) continue;

@@ -451,7 +451,7 @@ static long serve_adopt(struct fs_serve *a, long len) {
   if (!a->adopt) {
     res = -ENOSYS;
   } else {
-    long fd = sc(NR_openat, -100 /* AT_FDCWD */, (long)path, O_CLOEXEC /* O_RDONLY */, 0, 0, 0);
+    long fd = sc(NR_openat, -100 /* AT_FDCWD */, (long)path, O_CLOEXEC | 04000 /* O_RDONLY | O_NONBLOCK: never a FIFO's wait */, 0, 0, 0);
     res = fd < 0 ? fd : a->adopt(a->st, fd, (const void *)m, head[2]);
     if (fd >= 0 && res < 0) sc(NR_close, fd, 0, 0, 0, 0, 0);
   }

@@ -86,6 +86,7 @@ STATE = {
     'plan': None,      # the children's set-up steps (_setup_plan)
     'setup': None,     # in a child: where its set-up ran, 'c' (forkling_spawn.c) or 'python'
     'pattern': None,   # zygote: the thread making its fork server's pattern (_make_pattern)
+    'pattern_fds': set(),  # zygote: that thread's fds (_pattern_fd)
     # 'inherited', in a fork server only: what its children copy (forkling_inherit), taken once
 }
 # Fork handlers the warm-up registers with os.register_at_fork (see register()).
@@ -193,10 +194,10 @@ def _refuse(what):
 def op_fork(agent, conn, f):
     if ROLE != 'zygote':
         _refuse('fork')
-    _check_children(f['children'])
+    children = _check_children(f['children'])
     with _lock:
         _freeze_base()
-        res = {'children': _server_fork(agent, f['children'])}
+        res = {'children': _server_fork(agent, children)}
     pattern = STATE['pattern']
     if not f['children'] and pattern is not None:  # (the engine's prepare(): the template ready, with its pattern)
         pattern.join(PATTERN_TIMEOUT_S)  # (longer, it goes on without us: later forks take it)
@@ -206,12 +207,13 @@ def op_fork(agent, conn, f):
 def op_branch(agent, conn, f):
     if ROLE != 'sandbox':
         _refuse('branch')
-    _check_children(f['children'])
+    children = _check_children(f['children'])
     with _lock:
-        return {'children': _spawn(agent, f['children'], branch=True, fork=os.fork)}
+        return {'children': _spawn(agent, children, branch=True, fork=os.fork)}
 
 
 def _check_children(children):
+    """The children asked for, checked, as {id, hostname} only (no flag of ours, such as a pattern's)."""
     seen = set()
     for ch in children:
         if not ID_RE.match(ch['id']) or ch['id'] in seen:
@@ -219,6 +221,7 @@ def _check_children(children):
         if not HOST_RE.match(ch['hostname']):
             raise _agent_mod.OpError('bad_request', 'hostname %r is not a valid host name' % ch['hostname'])
         seen.add(ch['id'])
+    return [{'id': ch['id'], 'hostname': ch['hostname']} for ch in children]
 
 
 # ------------------------------------------------------------------ the zygote's base
@@ -388,7 +391,8 @@ def _make_pattern(server):
         if not res.get('ok'):
             raise OSError('its child failed: %s' % res['error'])
         pid = res['pid']
-        pidfd = os.pidfd_open(pid)  # (it waits for us: alive; killed by this fd, never by a number used again)
+        # (it waits for us: alive; killed through this fd, never by a number used again)
+        pidfd = _pattern_fd(lambda: os.pidfd_open(pid))
         made = _drive_pattern(pid, name)
         with _lock:
             if STATE['server'] is not server:
@@ -405,7 +409,7 @@ def _make_pattern(server):
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)  # (the server reaps it)
             except OSError:
                 pass
-            os.close(pidfd)
+            _pattern_close(pidfd)
     if why is not None:
         _agent_mod.log('no pattern for this template\'s forks (more memory per fork): %s' % why)
     else:
@@ -415,7 +419,8 @@ def _make_pattern(server):
 def _drive_pattern(pid, name):
     """The host's first requests to the pattern child; then waits until it has
     published (idle: a file of its own more, or it exited) and fetches what it made."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+    s = socket.socket(fileno=_pattern_fd(lambda: _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM).detach()))
+    try:
         s.settimeout(PATTERN_TIMEOUT_S)
         s.connect('/proc/%d/root%s/agent.sock' % (pid, RUN))
         client = _Client(s)
@@ -447,6 +452,24 @@ def _drive_pattern(pid, name):
         if not (isinstance(made, dict) and isinstance(made.get('fd'), int) and isinstance(made.get('runs'), bytes)):
             raise OSError('publish: %s' % (made or f.get('message')))
         return made
+    finally:
+        _pattern_close(s.detach())
+
+
+def _pattern_fd(make):
+    """An fd of the pattern thread's, made under _lock and listed in STATE: a fork server
+    forked from this zygote meanwhile closes it first thing (_server_main), so no sandbox
+    inherits a connection to the pattern child or its pidfd."""
+    with _lock:
+        fd = make()
+        STATE['pattern_fds'].add(fd)
+    return fd
+
+
+def _pattern_close(fd):
+    with _lock:
+        STATE['pattern_fds'].discard(fd)
+        os.close(fd)
 
 
 def _start_server(agent):
@@ -560,7 +583,7 @@ def _unpack_answer(data, children):
         elif status == FS_TIMED_OUT:
             error = 'not ready within %ds' % READY_TIMEOUT_S
         else:
-            error = 'not forked: %s' % failed
+            error = 'not forked: %s' % (failed or 'the fork server could not go back to its pid namespace')
         out.append({'id': ch['id'], 'ok': False, 'error': error})
     return out
 
@@ -610,6 +633,9 @@ def _server_main(agent, sock):
     global _lock, ROLE
     STATE['in_server'] = sock
     _lock = threading.Lock()  # the zygote held it across the fork
+    for fd in STATE['pattern_fds']:  # (the zygote's pattern thread's: not ours, nor our children's)
+        os.close(fd)
+    STATE['pattern_fds'] = set()
     _close_lifeline()  # we end with the zygote (PID 1 of our pid namespace)
     if getattr(agent, 'after_fork_child', None) is None:
         _reset_agent(agent)

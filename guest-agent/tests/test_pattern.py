@@ -5,7 +5,7 @@ refuses what is not sealed or whose runs are out of order or past its end);
 a later fork that wrote the same bytes to the same pages gets the pattern's
 pages mapped over its copies at reclaim (fr_reclaim), keeps the pages that
 differ, loses no write made while it reclaims, and what it writes after is
-its own. Needs the built library (npm run build:native); x86-64."""
+its own; memory made executable since keeps its protection. Needs the built library (npm run build:native); x86-64."""
 
 import ctypes
 import errno
@@ -77,7 +77,7 @@ class Scenario:
         if pid == 0:
             try:
                 os.close(done_w)
-                for i, byte in ((0, 0x41), (1, 0x42), (3, 0x43), (4, 0x44)):
+                for i, byte in ((0, 0x41), (1, 0x42), (3, 0x43), (4, 0x44), (6, 0x46)):
                     self.fill(i, byte)
                 for b in self.bufs:
                     b[:] = b'\x08' * len(b)
@@ -119,6 +119,10 @@ class Scenario:
         for i, byte in ((0, 0x41), (1, 0x42 if same else 0x99), (3, 0x43), (4, 0x44)):
             self.fill(i, byte)
         self.fill(2, 0x21)  # (the template's bytes again: given back to its file)
+        if same:  # the pattern's bytes, in memory made executable since (a JIT's): left as it is
+            self.fill(6, 0x46)
+            if tr.LIBC.mprotect(self.page(6), PAGE, mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC) != 0:
+                raise OSError(ctypes.get_errno(), 'mprotect')
         for b in self.bufs:
             b[:] = b'\x08' * len(b)
         before = tr.private_kib()
@@ -130,6 +134,7 @@ class Scenario:
             'pattern': [inode(self.page(i)) == pattern_ino for i in range(5)],
             'file_page': [tr.file_page(self.page(i)) for i in range(5)],
             'bytes': [ctypes.string_at(self.page(i), 1)[0] for i in range(5)],
+            'exec': (tr.maps_entry(self.page(6))[1], inode(self.page(6)) == pattern_ino, ctypes.string_at(self.page(6), 1)[0]) if same else None,
             'whole': all(ctypes.string_at(self.page(i), PAGE) == bytes((b,)) * PAGE
                          for i, b in enumerate((0x41, 0x42 if same else 0x99, 0x21, 0x43, 0x44))),
         }
@@ -187,6 +192,7 @@ class PatternTest(unittest.TestCase):
         self.assertEqual((f['errors'], f['bufs_kept'], f['bufs_pattern']), ([], True, True), r)
         self.assertGreater(f['rounds'], 0, r)
         self.assertEqual(f['written_after'], 0x77, r)
+        self.assertEqual(f['exec'], ('rwxp', False, 0x46), 'an executable mapping keeps its protection')
         # a sibling that wrote other bytes to page 1 keeps its own copy there; the first fork's
         # write after its reclaim is not in the pattern
         s = r['sibling']

@@ -495,6 +495,10 @@ test("an idle fork gives back its copies of the template's bytes (reclaim); what
         '(len(fds), len(inodes), inodes <= mapped)',
     )) as [number, number, boolean];
     assert.equal(files, [3, 3, true], 'the files of the template and of its pattern, each mapped');
+    // each fork's fds of them are its own open files: an offset set in one is not seen in a sibling
+    const tmplFds = 'import os\nfds = sorted(int(n) for n in os.listdir("/proc/self/fd") if os.path.exists("/proc/self/fd/" + n) and "forkling-template" in os.readlink("/proc/self/fd/" + n))\n';
+    assert.equal(await val(a.agent, `${tmplFds}[os.lseek(fd, 4096 * (i + 1), os.SEEK_SET) for i, fd in enumerate(fds)]`), [4096, 8192, 12288]);
+    assert.equal(await val(b.agent, `${tmplFds}[os.lseek(fd, 0, os.SEEK_CUR) for fd in fds]`), [0, 0, 0], 'no offset shared with a sibling');
     // the files every fork maps: an fd of each is in each fork, and each refuses what would change it for the others
     const sealed = (await val(
       a.agent,
