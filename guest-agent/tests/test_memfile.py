@@ -1,6 +1,6 @@
 """forkling_memfile.when_idle: when a fork gives back its pages (once per
-quiet spell of QUIET_TICKS ticks with no client frame and nothing running),
-and when it stops trying (three give-ups in a row, or a handler of sandbox
+quiet spell of QUIET_TICKS ticks with no client frame and nothing running;
+a try that gave up, QUIET_TICKS later again), and when it stops trying (three give-ups in a row, or a handler of sandbox
 code's own for SIGRTMAX). The library is a stand-in here: what it does is
 tested in test_reclaim.py."""
 
@@ -73,6 +73,18 @@ class WhenIdleTest(unittest.TestCase):
         self.assertIn(os.strerror(errno.ETIMEDOUT), self.logged[0])
         self.spell(4)
         self.assertEqual(lib.calls, 3)
+
+    def test_a_give_up_is_tried_again_in_the_same_spell(self):
+        lib = self.use([-errno.ETIMEDOUT, 5])
+        self.spell(1)
+        self.assertEqual(lib.calls, 1)
+        self.ticks(memfile.QUIET_TICKS - 1, 1)
+        self.assertEqual(lib.calls, 1, 'not at once: QUIET_TICKS later')
+        self.ticks(1, 1)
+        self.assertEqual(lib.calls, 2)
+        self.ticks(3 * memfile.QUIET_TICKS, 1)  # given back: nothing more in this spell
+        self.assertEqual(lib.calls, 2)
+        self.assertEqual((self.logged, memfile.STATE['timeouts']), ([], 0))
 
     def test_a_success_between_give_ups_starts_the_count_again(self):
         lib = self.use([-errno.ETIMEDOUT, -errno.ETIMEDOUT, 7, -errno.ETIMEDOUT, -errno.ETIMEDOUT, 7])
