@@ -82,14 +82,7 @@ static u64 makedev(u64 major, u64 minor) {
 
 #if defined(__x86_64__)
 
-static long sc(long n, long a, long b, long c, long d, long e, long f) {
-  long r;
-  register long r10 __asm__("r10") = d;
-  register long r8 __asm__("r8") = e;
-  register long r9 __asm__("r9") = f;
-  __asm__ volatile("syscall" : "=a"(r) : "a"(n), "D"(a), "S"(b), "d"(c), "r"(r10), "r"(r8), "r"(r9) : "rcx", "r11", "memory");
-  return r;
-}
+#include "forkling_syscall.h"
 #define S0(n) sc(n, 0, 0, 0, 0, 0, 0)
 #define S1(n, a) sc(n, (long)(a), 0, 0, 0, 0, 0)
 #define S2(n, a, b) sc(n, (long)(a), (long)(b), 0, 0, 0, 0)

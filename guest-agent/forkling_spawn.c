@@ -228,14 +228,7 @@ enum { FS_READY = 0, FS_CALL_FAILED = 1, FS_CHILD_FAILED = 2, FS_TIMED_OUT = 3, 
 
 #if defined(__x86_64__)
 
-static long sc(long n, long a, long b, long c, long d, long e, long f) {
-  long r;
-  register long r10 __asm__("r10") = d;
-  register long r8 __asm__("r8") = e;
-  register long r9 __asm__("r9") = f;
-  __asm__ volatile("syscall" : "=a"(r) : "a"(n), "D"(a), "S"(b), "d"(c), "r"(r10), "r"(r8), "r"(r9) : "rcx", "r11", "memory");
-  return r;
-}
+#include "forkling_syscall.h"
 enum { NR_read = 0, NR_write = 1, NR_close = 3, NR_poll = 7, NR_mmap = 9, NR_munmap = 11, NR_wait4 = 61, NR_kill = 62, NR_openat = 257 };
 #define EINTR 4
 #define EPROTO 71

@@ -17,7 +17,9 @@ import unittest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
 
+import forkling_memfile as memfile  # noqa: E402
 import test_reclaim as tr  # noqa: E402
 
 PAGE = tr.PAGE
@@ -25,16 +27,11 @@ RUN = 24  # sizeof(struct fr_region)
 
 
 def load():
-    lib = ctypes.CDLL(tr.SO)
-    for fn in (lib.fr_remap, lib.fr_reclaim, lib.fr_state_size, lib.fr_files, lib.fr_fd, lib.fr_pattern, lib.fr_nruns, lib.fr_adopt):
-        fn.restype = ctypes.c_long
-    lib.fr_runs.restype = ctypes.c_void_p
-    for fn in (lib.fr_files, lib.fr_pattern, lib.fr_runs, lib.fr_nruns):
-        fn.argtypes = (ctypes.c_void_p,)
-    lib.fr_fd.argtypes = (ctypes.c_void_p, ctypes.c_long)
-    lib.fr_adopt.argtypes = (ctypes.c_void_p, ctypes.c_long, ctypes.c_char_p, ctypes.c_long)
-    lib.fr_remap.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long)
-    lib.fr_reclaim.argtypes = (ctypes.c_void_p, ctypes.c_long)
+    """The library as the engine loads it (forkling_memfile: its functions' types set)."""
+    said = []
+    lib = memfile._load(said.append)
+    if lib is None:
+        raise AssertionError('forkling_reclaim.so did not load: %s' % said)
     return lib
 
 
