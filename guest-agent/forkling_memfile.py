@@ -36,7 +36,7 @@ STATE = {
     'timeouts': 0,    # reclaims in a row that gave up: a thread did not park
     'quiet': 0,       # quiet ticks in a row, idle
     'pattern': False,  # the template's pattern child (forkling_zygote._make_pattern): publishes, once
-    'published': None,  # ... what publish() made there, or why it failed
+    'published': None,  # ... what publish() made there
 }
 MAX_TIMEOUTS = 3
 # Quiet ticks (0.5 s each) before a reclaim: 2 s idle. Not sooner: a reclaim costs the CPU of a
@@ -91,7 +91,8 @@ def remap(log, who='template'):
         if STATE['state'] is None:
             state.close()
         return
-    STATE.update(lib=lib, state=state, st=st, fds=tuple(lib.fr_fd(st, i) for i in range(lib.fr_files(st))))
+    STATE.update(lib=lib, state=state, st=st)
+    STATE['fds'] = _file_fds()
 
 
 RUN_BYTES = 24  # a struct fr_region: start, end, file offset
@@ -99,6 +100,12 @@ RUN_BYTES = 24  # a struct fr_region: start, end, file offset
 
 def enabled():
     return STATE['lib'] is not None and STATE['st'] is not None
+
+
+def _file_fds():
+    """The fds of the files in the library's state, oldest first."""
+    lib, st = STATE['lib'], STATE['st']
+    return tuple(lib.fr_fd(st, i) for i in range(lib.fr_files(st)))
 
 
 def publish():
@@ -136,7 +143,7 @@ def adopt(pid, fd, runs):
     if n < 0:
         os.close(mine)
         raise OSError(-n, os.strerror(-n))
-    STATE['fds'] = tuple(lib.fr_fd(st, i) for i in range(lib.fr_files(st)))
+    STATE['fds'] = _file_fds()
     return n
 
 
@@ -145,7 +152,7 @@ def after_fork():
     file of its own (through /proc: the same file), so that siblings share no file offset
     or flags through it (a channel between sandboxes)."""
     if enabled():  # (the files as its parent had them at the fork: a pattern the fork server took in C too)
-        STATE['fds'] = tuple(STATE['lib'].fr_fd(STATE['st'], i) for i in range(STATE['lib'].fr_files(STATE['st'])))
+        STATE['fds'] = _file_fds()
     for fd in STATE['fds']:
         mine = os.open('/proc/self/fd/%d' % fd, os.O_RDONLY | os.O_CLOEXEC)
         os.dup2(mine, fd, inheritable=False)
@@ -175,7 +182,7 @@ def when_idle(activity, idle, log):
         try:
             STATE['published'] = publish()
         except OSError as e:
-            STATE['published'] = str(e)
+            log('the pattern child could not make its file: %s' % e)
             os._exit(1)  # (the zygote sees it gone)
         return
     n = lib.fr_reclaim(STATE['st'], WAIT_MS)

@@ -810,7 +810,6 @@ class _Serve(ctypes.Structure):  # struct fs_serve
 
 
 SPAWN_VERSION = 3  # forkling_spawn.c's FS_VERSION: the structures above match its own
-_FAILED_CALL = {1: 'pipe2', 2: 'unshare(CLONE_NEWPID)', 3: 'fork', 4: "setns back to the fork server's pid namespace"}
 _SPAWN = {}  # 'lib': fs_spawn (or None: not built), 'serve': fs_serve, 'libc': a _Libc
 
 
