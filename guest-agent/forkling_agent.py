@@ -317,7 +317,14 @@ class Connection:
             self.close()
 
     def dispatch(self, frame):
-        self.agent.frames += 1
+        agent = self.agent
+        agent.frames += 1
+        if agent.service_asleep:  # (read after the count: see forkling_zygote._may_sleep)
+            agent.service_asleep = False
+            try:
+                os.eventfd_write(agent.service_wake_fd, 1)
+            except OSError:
+                pass
         bad = validate_client_frame(frame)
         if bad:
             return self.error(*bad)
@@ -1057,6 +1064,10 @@ class Agent:
         self.sandbox_id = None
         self.contexts = {'default': new_namespace()}
         self.frames = 0  # frames taken from clients: what "idle" is measured by (forkling_memfile)
+        # A process-engine sandbox's service thread sleeps with no timeout while idle
+        # (forkling_zygote._service); the next client frame wakes it through this eventfd.
+        self.service_asleep = False
+        self.service_wake_fd = None
         self.connections = set()
         self.listeners = []
         # Connection threads: one that finished waits here for the next

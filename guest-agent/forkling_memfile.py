@@ -23,7 +23,7 @@ import errno
 import mmap
 import os
 
-VERSION = 3  # forkling_reclaim.c's FR_VERSION
+VERSION = 4  # forkling_reclaim.c's FR_VERSION
 WAIT_MS = 200  # how long the other threads have to park
 SCRATCH = 32 << 20  # room for /proc/thread-self/smaps
 STATE = {
@@ -57,7 +57,7 @@ def _load(log):
     except (OSError, AttributeError) as e:
         log('forks will not give back the pages they copied (more memory per child): %s' % e)
         return None
-    for fn in (lib.fr_remap, lib.fr_reclaim, lib.fr_state_size, lib.fr_files, lib.fr_fd, lib.fr_pattern, lib.fr_nruns, lib.fr_adopt):
+    for fn in (lib.fr_remap, lib.fr_reclaim, lib.fr_reclaim_wait, lib.fr_state_size, lib.fr_files, lib.fr_fd, lib.fr_pattern, lib.fr_nruns, lib.fr_adopt):
         fn.restype = ctypes.c_long
     lib.fr_runs.restype = ctypes.c_void_p
     for fn in (lib.fr_files, lib.fr_pattern, lib.fr_runs, lib.fr_nruns):
@@ -66,6 +66,7 @@ def _load(log):
     lib.fr_adopt.argtypes = (ctypes.c_void_p, ctypes.c_long, ctypes.c_char_p, ctypes.c_long)
     lib.fr_remap.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long)
     lib.fr_reclaim.argtypes = (ctypes.c_void_p, ctypes.c_long)
+    lib.fr_reclaim_wait.argtypes = (ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long)
     return lib
 
 
@@ -163,19 +164,24 @@ def own_fds():
     return set(STATE['fds'])
 
 
-def when_idle(activity, idle, log):
+def when_idle(activity, idle, log, wait_fds=()):
     """A service thread's quiet tick: `activity` is the agent's count of client frames,
     `idle` whether nothing runs. Gives back once per quiet spell of QUIET_TICKS (a try that
-    gave up because a thread did not park is made again QUIET_TICKS later)."""
+    gave up because a thread did not park is made again QUIET_TICKS later). Returns whether
+    nothing is left to give back until the next client frame: the caller may then sleep
+    with no timeout. With wait_fds, a reclaim that does not fail sleeps in the same call
+    (fr_reclaim_wait) until one of them is readable: no page is written in between."""
     lib = STATE['lib']
     if lib is None:
-        return
+        return idle
     STATE['quiet'] = STATE['quiet'] + 1 if activity == STATE['seen'] and idle else 0
     STATE['seen'] = activity
-    if STATE['quiet'] < (PATTERN_TICKS if STATE['pattern'] else QUIET_TICKS) or activity == STATE['done_at']:
-        return
+    if STATE['quiet'] < (PATTERN_TICKS if STATE['pattern'] else QUIET_TICKS):
+        return False
+    if activity == STATE['done_at']:
+        return True
     if STATE['pattern'] and activity < PATTERN_FRAMES:
-        return  # (not before it has answered what the zygote sends it: hello, restore, eval)
+        return False  # (not before it has answered what the zygote sends it: hello, restore, eval)
     STATE['done_at'] = activity
     if STATE['pattern']:  # here, as a fork reclaims: in the same state
         STATE['pattern'] = False
@@ -184,17 +190,22 @@ def when_idle(activity, idle, log):
         except OSError as e:
             log('the pattern child could not make its file: %s' % e)
             os._exit(1)  # (the zygote sees it gone)
-        return
-    n = lib.fr_reclaim(STATE['st'], WAIT_MS)
+        return True
+    if wait_fds:
+        fds = (ctypes.c_int * (2 * len(wait_fds)))(*[x for fd in wait_fds for x in (fd, 1)])  # struct pollfd: POLLIN
+        n = lib.fr_reclaim_wait(STATE['st'], WAIT_MS, fds, len(wait_fds))
+    else:
+        n = lib.fr_reclaim(STATE['st'], WAIT_MS)
     if n >= 0:
         STATE['timeouts'] = 0
-        return
+        return True
     if n == -errno.ETIMEDOUT:  # a thread did not park (and the others waited WAIT_MS): again QUIET_TICKS later, thrice
         STATE['timeouts'] += 1
         if STATE['timeouts'] < MAX_TIMEOUTS:
             STATE['done_at'] = -1  # (a busy host, say, at the end of a large fork: not a whole idle spell lost)
             STATE['quiet'] = 0
-            return
+            return False
     STATE['lib'] = None
     why = 'sandbox code has a handler for SIGRTMAX' if n == -errno.EEXIST else os.strerror(-n)
     log('this sandbox stops giving back the pages it copied: %s' % why)
+    return True

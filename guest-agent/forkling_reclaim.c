@@ -33,7 +33,7 @@
  * process engine's seccomp filter.
  */
 
-#define FR_VERSION 3
+#define FR_VERSION 4
 int fr_version(void) { return FR_VERSION; }
 
 typedef unsigned long u64;
@@ -91,7 +91,7 @@ static u64 makedev(u64 major, u64 minor) {
 #define S6(n, a, b, c, d, e, f) sc(n, (long)(a), (long)(b), (long)(c), (long)(d), (long)(e), (long)(f))
 
 enum {
-  NR_read = 0, NR_write = 1, NR_open = 2, NR_close = 3, NR_mmap = 9, NR_rt_sigaction = 13, NR_rt_sigprocmask = 14,
+  NR_read = 0, NR_write = 1, NR_open = 2, NR_close = 3, NR_poll = 7, NR_mmap = 9, NR_rt_sigaction = 13, NR_rt_sigprocmask = 14,
   NR_rt_sigreturn = 15, NR_pread = 17, NR_pwrite = 18, NR_madvise = 28, NR_nanosleep = 35, NR_getpid = 39,
   NR_fstat = 5, NR_munmap = 11, NR_msync = 26, NR_exit_group = 231, NR_fcntl = 72, NR_ftruncate = 77, NR_gettid = 186, NR_futex = 202, NR_getdents64 = 217, NR_tgkill = 234,
   NR_memfd_create = 319, NR_openat = 257,
@@ -772,6 +772,17 @@ long fr_reclaim(const struct fr_state *st, long wait_ms) {
   return r;
 }
 
+/* fr_reclaim, then, if it did not fail, poll(2) on fds (struct pollfd[nfds])
+ * with no timeout, in the same call: an idle fork's thread then writes no page
+ * between giving its copies back and its sleep (a return to Python in between
+ * would copy a good part of them again). The caller sees what woke it in its
+ * own poll after (fds are level-triggered). Returns fr_reclaim's result. */
+long fr_reclaim_wait(const struct fr_state *st, long wait_ms, void *fds, long nfds) {
+  long r = fr_reclaim(st, wait_ms);
+  if (r >= 0 && nfds > 0) S3(NR_poll, fds, nfds, -1); /* (EINTR, a signal: back to the caller, which decides again) */
+  return r;
+}
+
 #else /* not x86-64 */
 
 long fr_remap(struct fr_state *st, char *scratch, long scratch_len, long wait_ms) {
@@ -784,6 +795,10 @@ long fr_reclaim(const struct fr_state *st, long wait_ms) {
 }
 long fr_adopt(struct fr_state *st, long fd, const struct fr_region *runs, long n) {
   (void)st, (void)fd, (void)runs, (void)n;
+  return -38;
+}
+long fr_reclaim_wait(const struct fr_state *st, long wait_ms, void *fds, long nfds) {
+  (void)st, (void)wait_ms, (void)fds, (void)nfds;
   return -38;
 }
 

@@ -81,6 +81,7 @@ STATE = {
     'pidns_fd': None,  # this process's own pid namespace (to undo unshare(CLONE_NEWPID))
     'lifeline_fd': None,  # read end of the host's lifeline pipe (zygote, cold-booted sandbox)
     'server_pid_fd': None,  # in a fork server and its new children: a pidfd of the server (see _service)
+    'wake_fd': None,   # in a sandbox: the eventfd a client frame wakes its sleeping service thread with
     'server': None,    # zygote: (pid, socket) of its fork server
     'in_server': None,  # in a fork server and its children: the server's end of its socket to the zygote
     'plan': None,      # the children's set-up steps (_setup_plan)
@@ -1239,6 +1240,11 @@ def _listen(agent, path):
     s.bind(path)
     s.listen(128)
     agent.listeners.append(s)
+    fd, STATE['wake_fd'] = STATE['wake_fd'], None  # (a branch's: its source's)
+    if fd is not None:
+        os.close(fd)
+    agent.service_asleep = False
+    STATE['wake_fd'] = agent.service_wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
     _bare_thread(_service, agent, s)
 
 
@@ -1246,9 +1252,24 @@ def _service(agent, lsock):
     """A child's service thread, in place of the agent's accept loop and
     reaper threads: accepts connections (each read by a thread of its own,
     as in the agent) and, as PID 1, reaps orphans every REAP_INTERVAL_MS,
-    and only looks through /proc when a child of ours has exited."""
+    and only looks through /proc when a child of ours has exited. Once the
+    sandbox is idle and has given back its copies (forkling_memfile), with
+    no process of its own left to reap, it sleeps with no timeout until a
+    connection, output or a client frame (agent.service_wake_fd) comes: each
+    tick would write ~100 KiB of the pages just given back again."""
     poller = select.poll()
-    poller.register(lsock.fileno(), select.POLLIN)
+    watched = []  # what poller has, for a sleep in C (forkling_memfile.when_idle)
+
+    def watch(fd):
+        poller.register(fd, select.POLLIN)
+        watched.append(fd)
+
+    def unwatch(fd):
+        poller.unregister(fd)
+        watched.remove(fd)
+    watch(lsock.fileno())
+    wake = STATE['wake_fd']
+    watch(wake)
     # A new fork dies with its fork server until the host connects (it does once
     # the server has answered for it): a server that dies in the middle of a
     # request (killed for memory in the zygote's cgroup, say) leaves no child
@@ -1256,23 +1277,31 @@ def _service(agent, lsock):
     # one is per thread, and a server gone before it was set would be missed.
     server = STATE['server_pid_fd']
     if server is not None:
-        poller.register(server, select.POLLIN)
+        watch(server)
     cap = getattr(agent, 'fd_capture', None)  # fds 1 and 2: read here, no thread of their own
     for fd in cap.streams if cap is not None else ():
-        poller.register(fd, select.POLLIN)
+        watch(fd)
     listener = lsock.fileno()
     seen = set()
     # A child the host never connects to (it gave up on the request after the answer) goes by itself.
     unclaimed_until = time.monotonic() + UNCLAIMED_S
+    timeout = REAP_INTERVAL_MS
     while not agent.stopping:
-        events = poller.poll(REAP_INTERVAL_MS)
+        events = poller.poll(timeout)
+        agent.service_asleep = False
+        timeout = REAP_INTERVAL_MS
         if unclaimed_until is not None and listener not in {fd for fd, _ in events} and time.monotonic() > unclaimed_until:
             os._exit(1)
         ready = {fd for fd, _ in events}
+        if wake in ready:
+            try:
+                os.eventfd_read(wake)
+            except OSError:
+                pass
         if cap is not None and not ready.isdisjoint(cap.streams):
             for fd, ev in events:
                 if ev & select.POLLNVAL and fd in cap.streams:  # closed under the agent: read no more
-                    poller.unregister(fd)
+                    unwatch(fd)
                     _agent_mod.log('eval output: a pipe of fds 1 and 2 was closed under the agent; not read any more')
             cap.drain_logged()
         if server in ready and listener not in ready:
@@ -1280,7 +1309,7 @@ def _service(agent, lsock):
         if listener in ready:
             unclaimed_until = None
             if server is not None:  # the host's first connection: ours for good
-                poller.unregister(server)
+                unwatch(server)
                 os.close(server)
                 server = STATE['server_pid_fd'] = None
             try:
@@ -1307,7 +1336,26 @@ def _service(agent, lsock):
         if _agent_mod.IS_PID1:
             seen = _agent_mod.reap_tick(seen)
         if not events:  # a quiet tick: once the sandbox has been idle a whole one, its copies equal to the template's go
-            forkling_memfile.when_idle(agent.frames, _idle(agent), _agent_mod.log)
+            sleep = unclaimed_until is None and _may_sleep(agent)
+            settled = forkling_memfile.when_idle(agent.frames, _idle(agent), _agent_mod.log, watched if sleep else ())
+            if sleep and settled:
+                timeout = -1
+                agent.service_asleep = True  # (again: a reclaim that slept was woken, maybe by a frame that cleared it)
+
+
+def _may_sleep(agent):
+    """Whether the service thread may sleep with no timeout: PID 1 with no
+    child (nothing to reap until a request starts one: it wakes for that).
+    Marks it asleep before the caller reads agent.frames, so that a frame
+    counted after that read wakes it (Connection.dispatch counts, then looks)."""
+    if _agent_mod.IS_PID1:
+        try:
+            os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            return False
+        except ChildProcessError:
+            pass
+    agent.service_asleep = True
+    return True
 
 
 def _idle(agent):
