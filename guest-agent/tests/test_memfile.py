@@ -23,6 +23,10 @@ class FakeLib:
         self.calls += 1
         return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
 
+    def fr_reclaim_wait(self, st, wait_ms, fds, nfds):
+        self.waited = [fds[i] for i in range(2 * nfds)]
+        return self.fr_reclaim(st, wait_ms)
+
 
 class WhenIdleTest(unittest.TestCase):
     def setUp(self):
@@ -59,6 +63,24 @@ class WhenIdleTest(unittest.TestCase):
         self.spell(2)
         self.assertEqual(lib.calls, 2)
         self.assertEqual(self.logged, [])
+
+    def test_it_says_when_nothing_is_left_to_give_back(self):
+        lib = self.use([5])
+        said = [memfile.when_idle(1, True, self.logged.append) for _ in range(memfile.QUIET_TICKS)]
+        self.assertEqual(said, [False] * memfile.QUIET_TICKS)  # (the caller keeps ticking)
+        # the reclaim, with fds given: it sleeps in the same call, on those fds (struct pollfd, POLLIN)
+        self.assertTrue(memfile.when_idle(1, True, self.logged.append, [7, 9]))
+        self.assertEqual((lib.calls, lib.waited), (1, [7, 1, 9, 1]))
+        self.assertTrue(memfile.when_idle(1, True, self.logged.append))  # nothing more this spell
+        self.assertFalse(memfile.when_idle(2, True, self.logged.append))  # a client frame: a new spell
+        self.assertFalse(memfile.when_idle(2, False, self.logged.append))
+
+    def test_a_give_up_is_not_settled_and_off_is_settled_when_idle(self):
+        self.use([-errno.ETIMEDOUT])
+        self.ticks(memfile.QUIET_TICKS, 1)
+        self.assertFalse(memfile.when_idle(1, True, self.logged.append), 'tried again later: keep ticking')
+        memfile.STATE['lib'] = None  # reclaim off: nothing to wait for, but a running eval is not idle
+        self.assertEqual([memfile.when_idle(1, idle, self.logged.append) for idle in (True, False)], [True, False])
 
     def test_three_give_ups_in_a_row_stop_it(self):
         lib = self.use([-errno.ETIMEDOUT])

@@ -172,6 +172,36 @@ ctypes.CDLL(None).pthread_exit(None)
 '''
 
 
+# Run as its own process (a remap changes it for good): fr_reclaim_wait sleeps after a reclaim
+# until an fd is readable, and not at all after a reclaim that failed.
+WAIT_MAIN = '''
+import ctypes, mmap, os, select, threading, time
+lib = ctypes.CDLL(%(so)r)
+for fn in (lib.fr_remap, lib.fr_reclaim_wait, lib.fr_state_size, lib.fr_fd):
+    fn.restype = ctypes.c_long
+lib.fr_reclaim_wait.argtypes = (ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long)
+state = mmap.mmap(-1, lib.fr_state_size(), flags=mmap.MAP_PRIVATE)
+scratch = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE)
+st = ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(state)))
+buf = bytearray(b'\\x05' * (16 * 4096))
+n = lib.fr_remap(st, ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(scratch))), ctypes.c_long(len(scratch)), ctypes.c_long(500))
+assert n > 0, n
+idle_r, idle_w = os.pipe()  # never written
+r, w = os.pipe()
+fds = (ctypes.c_int * 4)(idle_r, 1, r, 1)  # struct pollfd[2], POLLIN
+buf[4096] = 6
+buf[4096] = 5  # a copy of the file's bytes: given back
+threading.Timer(0.4, os.write, (w, b'x')).start()
+t = time.monotonic()
+given = lib.fr_reclaim_wait(st, ctypes.c_long(500), fds, ctypes.c_long(2))
+slept = time.monotonic() - t
+still = select.select([r], [], [], 0)[0] == [r]  # (what woke it is the caller's to read)
+os.dup2(os.open('/dev/null', os.O_RDONLY), lib.fr_fd(st, 0))  # not the template's file any more: the reclaim fails
+t = time.monotonic()
+failed = lib.fr_reclaim_wait(st, ctypes.c_long(500), fds, ctypes.c_long(1))
+print(repr({'given': given, 'slept': slept, 'still': still, 'failed': failed, 'failed_in': time.monotonic() - t, 'buf': buf == b'\\x05' * len(buf)}))
+'''
+
 @unittest.skipUnless(os.path.exists(SO) and os.uname().machine == 'x86_64', 'forkling_reclaim.so not built (npm run build:native)')
 class ReclaimTest(unittest.TestCase):
     def test_remap_and_reclaim_lose_nothing(self):
@@ -206,6 +236,16 @@ class ReclaimTest(unittest.TestCase):
         self.assertTrue(kinds['layered'][1].startswith(memfd), report)
         self.assertNotEqual(report['layered_ino'], report['region_ino'], report)
         self.assertEqual(report['layered'], (True, True), report)
+
+    def test_reclaim_wait_sleeps_after_a_reclaim_only(self):
+        done = subprocess.run([sys.executable, '-c', WAIT_MAIN % {'so': SO}], capture_output=True, timeout=60)
+        self.assertEqual(done.returncode, 0, done.stderr.decode()[-3000:])
+        r = eval(done.stdout.decode())  # noqa: S307 - our own child's repr
+        self.assertGreater(r['given'], 0, r)
+        self.assertGreaterEqual(r['slept'], 0.35, r)
+        self.assertTrue(r['still'] and r['buf'], r)
+        self.assertEqual(r['failed'], -errno.EBADF, r)
+        self.assertLess(r['failed_in'], 0.3, r)
 
     def test_a_main_thread_that_exited_does_not_stop_it(self):
         # The main thread calls pthread_exit (it stays listed, a zombie, while another thread

@@ -529,6 +529,50 @@ test("an idle fork gives back its copies of the template's bytes (reclaim); what
   }
 });
 
+/** Context switches of all a process's threads so far: unchanged while none of them wakes. */
+const wakeups = (pid: number) =>
+  readdirSync(`/proc/${pid}/task`).reduce((t, tid) => {
+    const st = readFileSync(`/proc/${pid}/task/${tid}/status`, 'utf8');
+    return t + Number(/^voluntary_ctxt_switches:\s+(\d+)/m.exec(st)?.[1]) + Number(/^nonvoluntary_ctxt_switches:\s+(\d+)/m.exec(st)?.[1]);
+  }, 0);
+/** Whether no thread of pid woke in `ms` (three of an awake service thread's ticks in 1500 ms). */
+const sleptFor = async (pid: number, ms: number) => {
+  const before = wakeups(pid);
+  await new Promise((r) => setTimeout(r, ms));
+  return wakeups(pid) === before;
+};
+/** Whether pid comes to sleep for 1500 ms within `timeoutMs`. */
+const comesToSleep = async (pid: number, timeoutMs: number) => {
+  for (const deadline = Date.now() + timeoutMs; Date.now() < deadline; ) if (await sleptFor(pid, 1500)) return true;
+  return false;
+};
+
+test('an idle fork sleeps once it has given back its copies (no tick writes them again); a request wakes it, a process of its own keeps it reaping', async () => {
+  const [c] = await engine.fork(TEMPLATE, 1);
+  try {
+    const pid = hostPid(c!);
+    assert.is(await val(c!.agent, '1 + 1'), 2);
+    assert.ok(await comesToSleep(pid, 15000), 'idle, it sleeps: no thread wakes');
+    assert.is(await val(c!.agent, '2 + 2'), 4, 'a request is answered');
+    assert.ok(await comesToSleep(pid, 15000), 'and it sleeps again');
+    // an orphan (a child of PID 1 once its shell exits): the service thread ticks to reap it, then sleeps
+    const orphan = await val(c!.agent, 'import subprocess\nint(subprocess.run(["sh", "-c", "sleep 2 & echo $!"], capture_output=True, text=True).stdout)');
+    assert.not.ok(await sleptFor(pid, 1500), 'ticks while it has a process to reap');
+    assert.ok(await comesToSleep(pid, 20000), 'the orphan gone, it sleeps');
+    assert.is(await val(c!.agent, `import os\nos.path.exists("/proc/${orphan}")`), false, 'the orphan was reaped');
+    // a branch sleeps on a wake-up of its own (not its source's): each answers after it slept
+    const [br] = await engine.branch(c!, 1);
+    try {
+      assert.ok(await comesToSleep(hostPid(br!), 15000), 'the branch sleeps');
+      assert.equal([await val(br!.agent, '3 + 3'), await val(c!.agent, '4 + 4')], [6, 8]);
+    } finally {
+      await br!.kill();
+    }
+  } finally {
+    await c!.kill();
+  }
+});
+
 test('BRANCH to depth 3: each level sees every variable above it; sources keep running', async () => {
   const [root] = await engine.fork(TEMPLATE, 1);
   // a file of the image deleted in the source (an overlay whiteout) stays deleted in its branches
