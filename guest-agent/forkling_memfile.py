@@ -11,7 +11,7 @@ state below); its service thread calls
 when_idle() on each quiet tick, which gives back the fork's own pages equal
 to the file once the sandbox has been idle 2 s since its last request.
 The template's pattern child (forkling_zygote._make_pattern) instead makes
-its own memory one more file at its first quiet tick (publish()); the fork
+its own memory one more file at its first quiet tick (when_idle: publishes); the fork
 server takes it (adopt()), and a later fork's reclaim maps the pattern's
 page over each of its copies that holds the same bytes.
 Off unless the host sets FORKLING_PROCESS_RECLAIM=1 (the engine's option
@@ -36,15 +36,15 @@ STATE = {
     'timeouts': 0,    # reclaims in a row that gave up: a thread did not park
     'quiet': 0,       # quiet ticks in a row, idle
     'pattern': False,  # the template's pattern child (forkling_zygote._make_pattern): publishes, once
-    'published': None,  # ... what publish() made there
+    'published': None,  # ... what it made there: {'fd', 'runs'} (_published)
 }
 MAX_TIMEOUTS = 3
 # Quiet ticks (0.5 s each) before a reclaim: 2 s idle. Not sooner: a reclaim costs the CPU of a
 # fraction of a fork, and the first children of a large fork would reclaim while the rest are made.
 QUIET_TICKS = 4
-# The pattern child (publish) after one: its pages then match a fork's as well as after four
-# (measured), and a template is ready with its pattern ~1.5 s sooner.
-PATTERN_TICKS = 1
+# The pattern child publishes after as many (forkling_zygote ticks it faster): each tick
+# moves counters a fork's pages hold (CPython's dict versions, its bytecode's warm-up counters),
+# so the pattern is what a fork's memory is only after the same ticks.
 PATTERN_FRAMES = 3
 
 
@@ -66,7 +66,7 @@ def _load(log):
     lib.fr_adopt.argtypes = (ctypes.c_void_p, ctypes.c_long, ctypes.c_char_p, ctypes.c_long)
     lib.fr_remap.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long)
     lib.fr_reclaim.argtypes = (ctypes.c_void_p, ctypes.c_long)
-    lib.fr_reclaim_wait.argtypes = (ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long)
+    lib.fr_reclaim_wait.argtypes = (ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long)
     return lib
 
 
@@ -109,29 +109,29 @@ def _file_fds():
     return tuple(lib.fr_fd(st, i) for i in range(lib.fr_files(st)))
 
 
-def publish():
-    """In the template's pattern child (forkling_zygote._make_pattern), once it
-    has answered what every sandbox answers first: gives back its pages equal
-    to the files, then makes the rest a file of its own (a layer, as remap()).
-    Returns {'fd': that file's fd here, 'runs': its struct fr_region[] as bytes}."""
-    if not enabled():
-        raise OSError(errno.ENOSYS, 'no template file here (reclaim is off)')
+def _published(n, log):
+    """In the pattern child, after its publish (fr_reclaim_wait's result n): what
+    it made, for the zygote to fetch; a publish that gave up is tried again a
+    quiet tick later, and a third failure in a row ends the child."""
     lib, st = STATE['lib'], STATE['st']
-    lib.fr_reclaim(st, WAIT_MS)  # (a failure leaves more pages for the pattern: no harm)
-    before = lib.fr_files(st)
-    said = []
-    for _ in range(MAX_TIMEOUTS):  # (a thread that did not park in time, on a busy host: tried again)
-        remap(said.append, 'pattern child')
-        if lib.fr_files(st) > before:
-            break
-    else:
-        raise OSError(errno.EIO, said[-1] if said else 'no file made')
-    return {'fd': lib.fr_fd(st, before), 'runs': ctypes.string_at(lib.fr_runs(st), lib.fr_nruns(st) * RUN_BYTES)}
+    if n >= 0:
+        STATE['pattern'] = False
+        STATE['fds'] = _file_fds()
+        STATE['published'] = {'fd': lib.fr_fd(st, lib.fr_files(st) - 1),
+                              'runs': ctypes.string_at(lib.fr_runs(st), lib.fr_nruns(st) * RUN_BYTES)}
+        return True
+    STATE['timeouts'] += 1
+    if STATE['timeouts'] < MAX_TIMEOUTS:
+        STATE['done_at'] = -1
+        STATE['quiet'] = 0
+        return False
+    log('the pattern child could not make its file: %s' % os.strerror(-n))
+    os._exit(1)  # (the zygote sees it gone)
 
 
 def adopt(pid, fd, runs):
     """In the fork server: takes the pattern child `pid`'s file (its fd `fd`,
-    opened again through /proc) and runs (from publish(), checked in C); every
+    opened again through /proc) and runs (what it published, checked in C); every
     fork made from here on maps it over its own pages that equal it (fr_reclaim).
     Returns the file's length; raises OSError (nothing changed)."""
     if not enabled():
@@ -176,26 +176,18 @@ def when_idle(activity, idle, log, wait_fds=()):
         return idle
     STATE['quiet'] = STATE['quiet'] + 1 if activity == STATE['seen'] and idle else 0
     STATE['seen'] = activity
-    if STATE['quiet'] < (PATTERN_TICKS if STATE['pattern'] else QUIET_TICKS):
+    if STATE['quiet'] < QUIET_TICKS:
         return False
     if activity == STATE['done_at']:
         return True
     if STATE['pattern'] and activity < PATTERN_FRAMES:
         return False  # (not before it has answered what the zygote sends it: hello, restore, eval)
     STATE['done_at'] = activity
-    if STATE['pattern']:  # here, as a fork reclaims: in the same state
-        STATE['pattern'] = False
-        try:
-            STATE['published'] = publish()
-        except OSError as e:
-            log('the pattern child could not make its file: %s' % e)
-            os._exit(1)  # (the zygote sees it gone)
-        return True
-    if wait_fds:
-        fds = (ctypes.c_int * (2 * len(wait_fds)))(*[x for fd in wait_fds for x in (fd, 1)])  # struct pollfd: POLLIN
-        n = lib.fr_reclaim_wait(STATE['st'], WAIT_MS, fds, len(wait_fds))
-    else:
-        n = lib.fr_reclaim(STATE['st'], WAIT_MS)
+    # One call for a fork and the pattern child alike: the pattern is what a fork's memory is at this point.
+    fds = (ctypes.c_int * (2 * len(wait_fds)))(*[x for fd in wait_fds for x in (fd, 1)])  # struct pollfd: POLLIN
+    n = lib.fr_reclaim_wait(STATE['st'], WAIT_MS, fds, len(wait_fds), STATE['pattern'])
+    if STATE['pattern']:
+        return _published(n, log)
     if n >= 0:
         STATE['timeouts'] = 0
         return True

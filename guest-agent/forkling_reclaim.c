@@ -600,17 +600,27 @@ static long remap_parked(struct fr_state *st, char *scratch, long scratch_len) {
   return (long)written;
 }
 
-long fr_remap(struct fr_state *st, char *scratch, long scratch_len, long wait_ms) {
-  if (st->nfiles == FR_MAX_FILES) return -ENOSPC;
+static long reclaim_parked(const struct fr_state *st);
+static long publish_parked(struct fr_state *st);
+enum { DO_REMAP, DO_RECLAIM, DO_PUBLISH };
+
+/* Does `what` with every other thread parked, or gives up (-ETIMEDOUT,
+ * -EEXIST, ...) changing nothing. */
+static long run_parked(int what, struct fr_state *st, char *scratch, long scratch_len, long wait_ms) {
   u64 all = ~0UL, old;
   S4(NR_rt_sigprocmask, 2 /* SIG_SETMASK */, &all, &old, 8); /* no handler of ours runs in between */
   long r = park_others(wait_ms);
   if (r == 0) {
-    r = remap_parked(st, scratch, scratch_len);
+    r = what == DO_REMAP ? remap_parked(st, scratch, scratch_len) : what == DO_RECLAIM ? reclaim_parked(st) : publish_parked(st);
     unpark();
   }
   S4(NR_rt_sigprocmask, 2, &old, 0, 8);
   return r;
+}
+
+long fr_remap(struct fr_state *st, char *scratch, long scratch_len, long wait_ms) {
+  if (st->nfiles == FR_MAX_FILES) return -ENOSPC;
+  return run_parked(DO_REMAP, st, scratch, scratch_len, wait_ms);
 }
 
 /* ----------------------------------------------------------- pattern */
@@ -761,24 +771,34 @@ static long reclaim_parked(const struct fr_state *st) {
 
 long fr_reclaim(const struct fr_state *st, long wait_ms) {
   if (!st->nfiles) return 0;
-  u64 all = ~0UL, old;
-  S4(NR_rt_sigprocmask, 2, &all, &old, 8);
-  long r = park_others(wait_ms);
-  if (r == 0) {
-    r = reclaim_parked(st);
-    unpark();
-  }
-  S4(NR_rt_sigprocmask, 2, &old, 0, 8);
+  return run_parked(DO_RECLAIM, (struct fr_state *)st, 0, 0, wait_ms); /* (reclaim_parked writes nothing in st) */
+}
+
+/* The pattern child's publish (publish != 0): gives back its pages equal to
+ * the files, then makes the rest a file of its own, a layer (as fr_remap:
+ * its fd and runs are then the last in st), all in one park. */
+static long publish_parked(struct fr_state *st) {
+  if (st->nfiles == FR_MAX_FILES) return -ENOSPC; /* (checked parked: nothing else changes nfiles meanwhile) */
+  reclaim_parked(st); /* (a failure leaves more pages for the pattern: no harm) */
+  const long len = 32 << 20;
+  long buf = S6(NR_mmap, 0, len, 3, 0x22 /* PRIVATE | ANONYMOUS */, -1, 0);
+  if (buf < 0 && buf > -4096) return buf;
+  long r = remap_parked(st, (char *)buf, len);
+  S2(NR_munmap, buf, len);
   return r;
 }
 
-/* fr_reclaim, then, if it did not fail, poll(2) on fds (struct pollfd[nfds])
- * with no timeout, in the same call: an idle fork's thread then writes no page
- * between giving its copies back and its sleep (a return to Python in between
- * would copy a good part of them again). The caller sees what woke it in its
- * own poll after (fds are level-triggered). Returns fr_reclaim's result. */
-long fr_reclaim_wait(const struct fr_state *st, long wait_ms, void *fds, long nfds) {
-  long r = fr_reclaim(st, wait_ms);
+/* An idle fork's reclaim (the pattern child's publish), then, if it did not
+ * fail, poll(2) on fds (struct pollfd[nfds]) with no timeout, in the same
+ * call: the thread writes no page between giving its copies back and its
+ * sleep (a return to Python in between would copy a good part of them
+ * again). The pattern child publishes through this same call, so its
+ * memory is laid out as a fork's is when that one reclaims (Python's
+ * allocator pools, reference counts of what the caller holds). The caller
+ * sees what woke it in its own poll after (fds are level-triggered).
+ * Returns what fr_reclaim (or fr_remap) returned. */
+long fr_reclaim_wait(struct fr_state *st, long wait_ms, void *fds, long nfds, long publish) {
+  long r = !publish ? fr_reclaim(st, wait_ms) : st->nfiles ? run_parked(DO_PUBLISH, st, 0, 0, wait_ms) : -ENOENT;
   if (r >= 0 && nfds > 0) S3(NR_poll, fds, nfds, -1); /* (EINTR, a signal: back to the caller, which decides again) */
   return r;
 }
@@ -797,8 +817,8 @@ long fr_adopt(struct fr_state *st, long fd, const struct fr_region *runs, long n
   (void)st, (void)fd, (void)runs, (void)n;
   return -38;
 }
-long fr_reclaim_wait(const struct fr_state *st, long wait_ms, void *fds, long nfds) {
-  (void)st, (void)wait_ms, (void)fds, (void)nfds;
+long fr_reclaim_wait(struct fr_state *st, long wait_ms, void *fds, long nfds, long publish) {
+  (void)st, (void)wait_ms, (void)fds, (void)nfds, (void)publish;
   return -38;
 }
 

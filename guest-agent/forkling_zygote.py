@@ -617,6 +617,7 @@ def _recv_exact(sock, n):
 
 
 REAP_INTERVAL_MS = 500
+PATTERN_TICK_MS = 50
 
 
 def _server_main(agent, sock):
@@ -1285,11 +1286,13 @@ def _service(agent, lsock):
     seen = set()
     # A child the host never connects to (it gave up on the request after the answer) goes by itself.
     unclaimed_until = time.monotonic() + UNCLAIMED_S
-    timeout = REAP_INTERVAL_MS
+    # (the pattern child ticks faster: its ticks, not their length, make its memory a fork's)
+    tick = PATTERN_TICK_MS if forkling_memfile.STATE['pattern'] else REAP_INTERVAL_MS
+    timeout = tick
     while not agent.stopping:
         events = poller.poll(timeout)
         agent.service_asleep = False
-        timeout = REAP_INTERVAL_MS
+        timeout = tick
         if unclaimed_until is not None and listener not in {fd for fd, _ in events} and time.monotonic() > unclaimed_until:
             os._exit(1)
         ready = {fd for fd, _ in events}

@@ -14,18 +14,15 @@ import forkling_memfile as memfile  # noqa: E402
 
 
 class FakeLib:
-    """fr_reclaim answers from a list (the last answer repeats); calls are counted."""
+    """fr_reclaim_wait answers from a list (the last answer repeats); calls are counted."""
 
     def __init__(self, answers):
         self.answers, self.calls = list(answers), 0
 
-    def fr_reclaim(self, st, wait_ms):
+    def fr_reclaim_wait(self, st, wait_ms, fds, nfds, publish):
         self.calls += 1
+        self.waited, self.published = [fds[i] for i in range(2 * nfds)], publish
         return self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
-
-    def fr_reclaim_wait(self, st, wait_ms, fds, nfds):
-        self.waited = [fds[i] for i in range(2 * nfds)]
-        return self.fr_reclaim(st, wait_ms)
 
 
 class WhenIdleTest(unittest.TestCase):

@@ -78,8 +78,10 @@ class Scenario:
                     self.fill(i, byte)
                 for b in self.bufs:
                     b[:] = b'\x08' * len(b)
-                self.remap()
                 lib, st = self.lib, self.st
+                n = lib.fr_reclaim_wait(st, 2000, None, 0, 1)  # (its publish, as in forkling_memfile.when_idle)
+                if n < 0:
+                    raise OSError(-n, 'publish: ' + os.strerror(-n))
                 fd = lib.fr_fd(st, lib.fr_files(st) - 1)
                 runs = ctypes.string_at(lib.fr_runs(st), lib.fr_nruns(st) * RUN)
                 os.write(w, repr((fd, runs)).encode())

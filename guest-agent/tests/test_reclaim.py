@@ -179,7 +179,7 @@ import ctypes, mmap, os, select, threading, time
 lib = ctypes.CDLL(%(so)r)
 for fn in (lib.fr_remap, lib.fr_reclaim_wait, lib.fr_state_size, lib.fr_fd):
     fn.restype = ctypes.c_long
-lib.fr_reclaim_wait.argtypes = (ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long)
+lib.fr_reclaim_wait.argtypes = (ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long)
 state = mmap.mmap(-1, lib.fr_state_size(), flags=mmap.MAP_PRIVATE)
 scratch = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE)
 st = ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(state)))
@@ -193,12 +193,12 @@ buf[4096] = 6
 buf[4096] = 5  # a copy of the file's bytes: given back
 threading.Timer(0.4, os.write, (w, b'x')).start()
 t = time.monotonic()
-given = lib.fr_reclaim_wait(st, ctypes.c_long(500), fds, ctypes.c_long(2))
+given = lib.fr_reclaim_wait(st, 500, fds, 2, 0)
 slept = time.monotonic() - t
 still = select.select([r], [], [], 0)[0] == [r]  # (what woke it is the caller's to read)
 os.dup2(os.open('/dev/null', os.O_RDONLY), lib.fr_fd(st, 0))  # not the template's file any more: the reclaim fails
 t = time.monotonic()
-failed = lib.fr_reclaim_wait(st, ctypes.c_long(500), fds, ctypes.c_long(1))
+failed = lib.fr_reclaim_wait(st, 500, fds, 1, 0)
 print(repr({'given': given, 'slept': slept, 'still': still, 'failed': failed, 'failed_in': time.monotonic() - t, 'buf': buf == b'\\x05' * len(buf)}))
 '''
 
