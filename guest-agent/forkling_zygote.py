@@ -1285,16 +1285,17 @@ def _service(agent, lsock):
     listener = lsock.fileno()
     seen = set()
     # A child the host never connects to (it gave up on the request after the answer) goes by itself.
+    # It does not tick until the host connects (nothing to reap or give back yet): a fork of many
+    # waits seconds for the last of them, and each tick would move counters its pages hold away
+    # from the pattern's (see forkling_memfile.QUIET_TICKS).
     unclaimed_until = time.monotonic() + UNCLAIMED_S
     # (the pattern child ticks faster: its ticks, not their length, make its memory a fork's)
     tick = PATTERN_TICK_MS if forkling_memfile.STATE['pattern'] else REAP_INTERVAL_MS
-    timeout = tick
+    timeout = int(UNCLAIMED_S * 1000) + 1
     while not agent.stopping:
         events = poller.poll(timeout)
         agent.service_asleep = False
         timeout = tick
-        if unclaimed_until is not None and listener not in {fd for fd, _ in events} and time.monotonic() > unclaimed_until:
-            os._exit(1)
         ready = {fd for fd, _ in events}
         if wake in ready:
             try:
@@ -1307,8 +1308,12 @@ def _service(agent, lsock):
                     unwatch(fd)
                     _agent_mod.log('eval output: a pipe of fds 1 and 2 was closed under the agent; not read any more')
             cap.drain_logged()
-        if server in ready and listener not in ready:
-            os._exit(1)  # the server is gone and the host never came
+        if unclaimed_until is not None and listener not in ready:
+            left = unclaimed_until - time.monotonic()
+            if server in ready or left < 0:
+                os._exit(1)  # the server is gone, or the host never came
+            timeout = int(left * 1000) + 1
+            continue
         if listener in ready:
             unclaimed_until = None
             if server is not None:  # the host's first connection: ours for good
