@@ -3,7 +3,7 @@
 // sandbox without a zygote (new namespaces, python3 start, the same warm-up from
 // scratch). "Ready" = every child has answered its first eval. Private memory
 // per child = Private_* of smaps_rollup of its processes while alive, after
-// that first answer, and again once they have been idle 6 s (reclaim, then ticks of their service thread). Builds the image `numpy` (default + python3-numpy) once.
+// that first answer, and again once they have been idle 6 s (given back, then asleep). Builds the image `numpy` (default + python3-numpy) once.
 //   npx tsx bench/process-fork.ts [--image NAME] [--no-cold] [--no-spares] [--ksm] [--n 1,10,100]
 import { closeSync, openSync, readdirSync, readFileSync, readSync, rmSync } from 'node:fs';
 import type { Sandbox } from '../host/engine/engine.ts';
@@ -20,8 +20,8 @@ const KSM = args.includes('--ksm');
 const SPARES = !args.includes('--no-spares');
 const WARMUP = 'import numpy';
 /** How long children are left idle before their memory is read again: an idle fork gives back its
- * copies of the template's bytes once idle 2-2.5 s (four quiet ticks of its service thread), and
- * each later tick writes some pages again (~100 KiB): read at 6 s, the state an idle fork stays in. */
+ * copies of the template's bytes once idle 2-2.5 s (four quiet ticks of its service thread), then
+ * sleeps; a fork of 100 under load may take a few seconds more: read at 6 s, the state an idle fork stays in. */
 const IDLE_MS = 6000;
 const nArg = args.indexOf('--n');
 const NS = nArg >= 0 ? args[nArg + 1]!.split(',').map(Number) : [1, 10, 100];
