@@ -111,8 +111,9 @@ def _file_fds():
 
 def _published(n, log):
     """In the pattern child, after its publish (fr_reclaim_wait's result n): what
-    it made, for the zygote to fetch; a publish that gave up is tried again a
-    quiet tick later, and a third failure in a row ends the child."""
+    it made, for the zygote to fetch. One that gave up because a thread did not
+    park (no file made yet) is tried again after another quiet spell; a third
+    such, or any other failure, ends the child (the zygote sees it gone)."""
     lib, st = STATE['lib'], STATE['st']
     if n >= 0:
         STATE['pattern'] = False
@@ -121,7 +122,7 @@ def _published(n, log):
                               'runs': ctypes.string_at(lib.fr_runs(st), lib.fr_nruns(st) * RUN_BYTES)}
         return True
     STATE['timeouts'] += 1
-    if STATE['timeouts'] < MAX_TIMEOUTS:
+    if n == -errno.ETIMEDOUT and STATE['timeouts'] < MAX_TIMEOUTS:  # (no file made: the zygote still waits for one)
         STATE['done_at'] = -1
         STATE['quiet'] = 0
         return False
@@ -171,11 +172,11 @@ def when_idle(activity, idle, log, wait_fds=()):
     nothing is left to give back until the next client frame: the caller may then sleep
     with no timeout. With wait_fds, a reclaim that does not fail sleeps in the same call
     (fr_reclaim_wait) until one of them is readable: no page is written in between."""
-    lib = STATE['lib']
-    if lib is None:
-        return idle
     STATE['quiet'] = STATE['quiet'] + 1 if activity == STATE['seen'] and idle else 0
     STATE['seen'] = activity
+    lib = STATE['lib']
+    if lib is None:
+        return STATE['quiet'] > 0  # (nothing to give back: settled once a whole tick was quiet)
     if STATE['quiet'] < QUIET_TICKS:
         return False
     if activity == STATE['done_at']:

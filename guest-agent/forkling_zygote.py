@@ -423,6 +423,7 @@ def _drive_pattern(pid, name):
     s = socket.socket(fileno=_pattern_fd(lambda: _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM).detach()))
     try:
         s.settimeout(PATTERN_TIMEOUT_S)
+        before = _memfds(pid)  # (before its requests: it may publish soon after the last answer)
         s.connect('/proc/%d/root%s/agent.sock' % (pid, RUN))
         client = _Client(s)
         hello = client.send('hello', versions=[1], client='forkling-host')
@@ -431,18 +432,8 @@ def _drive_pattern(pid, name):
             f = client.answer(i)
             if f['t'] != 'res':
                 raise OSError('%s: %s' % (f.get('code'), f.get('message')))
-
-        def files():
-            n = 0
-            for fd in os.listdir('/proc/%d/fd' % pid):
-                try:
-                    n += os.readlink('/proc/%d/fd/%s' % (pid, fd)).startswith('/memfd:forkling-template')
-                except OSError:
-                    pass
-            return n
-        before = files()
         deadline = time.monotonic() + PATTERN_TIMEOUT_S
-        while files() == before:  # (no request meanwhile: it would not be idle)
+        while _memfds(pid) == before:  # (no request meanwhile: it would not be idle)
             if time.monotonic() > deadline:
                 raise OSError('it did not publish within %ds' % PATTERN_TIMEOUT_S)
             time.sleep(0.02)
@@ -455,6 +446,17 @@ def _drive_pattern(pid, name):
         return made
     finally:
         _pattern_close(s.detach())
+
+
+def _memfds(pid):
+    """How many fds of the template's files process pid has (raises OSError once it is gone)."""
+    n = 0
+    for fd in os.listdir('/proc/%d/fd' % pid):
+        try:
+            n += os.readlink('/proc/%d/fd/%s' % (pid, fd)).startswith('/memfd:forkling-template')
+        except OSError:
+            pass
+    return n
 
 
 def _pattern_fd(make):
@@ -1255,9 +1257,10 @@ def _service(agent, lsock):
     as in the agent) and, as PID 1, reaps orphans every REAP_INTERVAL_MS,
     and only looks through /proc when a child of ours has exited. Once the
     sandbox is idle and has given back its copies (forkling_memfile), with
-    no process of its own left to reap, it sleeps with no timeout until a
-    connection, output or a client frame (agent.service_wake_fd) comes: each
-    tick would write ~100 KiB of the pages just given back again."""
+    no zombie left to reap, it sleeps with no timeout until a connection,
+    output, a client frame (agent.service_wake_fd) or the exit of a child
+    process (a pidfd of each: _may_sleep) comes: each tick would write
+    ~100 KiB of the pages just given back again."""
     poller = select.poll()
     watched = []  # what poller has, for a sleep in C (forkling_memfile.when_idle)
 
@@ -1292,10 +1295,15 @@ def _service(agent, lsock):
     # (the pattern child ticks faster: its ticks, not their length, make its memory a fork's)
     tick = PATTERN_TICK_MS if forkling_memfile.STATE['pattern'] else REAP_INTERVAL_MS
     timeout = int(UNCLAIMED_S * 1000) + 1
+    kids = []  # pidfds of our child processes while asleep: each wakes us when it exits
     while not agent.stopping:
         events = poller.poll(timeout)
         agent.service_asleep = False
         timeout = tick
+        for fd in kids:
+            poller.unregister(fd)
+            os.close(fd)
+        kids = []
         ready = {fd for fd, _ in events}
         if wake in ready:
             try:
@@ -1344,26 +1352,66 @@ def _service(agent, lsock):
         if _agent_mod.IS_PID1:
             seen = _agent_mod.reap_tick(seen)
         if not events:  # a quiet tick: once the sandbox has been idle a whole one, its copies equal to the template's go
-            sleep = unclaimed_until is None and _may_sleep(agent)
-            settled = forkling_memfile.when_idle(agent.frames, _idle(agent), _agent_mod.log, watched if sleep else ())
+            kids = _may_sleep(agent) if unclaimed_until is None else None
+            sleep = kids is not None
+            settled = forkling_memfile.when_idle(agent.frames, _idle(agent), _agent_mod.log, watched + kids if sleep else ())
             if sleep and settled:
                 timeout = -1
                 agent.service_asleep = True  # (again: a reclaim that slept was woken, maybe by a frame that cleared it)
+                for fd in kids:
+                    poller.register(fd, select.POLLIN)
+            else:
+                for fd in kids or ():
+                    os.close(fd)
+                kids = []
+
+
+MAX_SLEEP_KIDS = 64
 
 
 def _may_sleep(agent):
-    """Whether the service thread may sleep with no timeout: PID 1 with no
-    child (nothing to reap until a request starts one: it wakes for that).
-    Marks it asleep before the caller reads agent.frames, so that a frame
-    counted after that read wakes it (Connection.dispatch counts, then looks)."""
+    """Whether the service thread may sleep with no timeout: None if not (a
+    zombie to reap, too many children), else the pidfds of our child
+    processes (its branches, processes evals left running), each of which
+    wakes it when that child exits (its orphans then become ours: the next
+    sleep watches them). Marks it asleep before the caller reads
+    agent.frames, so that a frame counted after that read wakes it
+    (Connection.dispatch counts, then looks)."""
+    fds = []
     if _agent_mod.IS_PID1:
         try:
-            os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-            return False
+            if os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return None  # a zombie: reaped by ticks (reap_tick waits to see it twice)
+            pids = _children()
         except ChildProcessError:
-            pass
+            pids = ()
+        if pids is None or len(pids) > MAX_SLEEP_KIDS:
+            return None
+        try:
+            for pid in pids:
+                fds.append(os.pidfd_open(pid))
+        except OSError:  # (one exited meanwhile: tick)
+            for fd in fds:
+                os.close(fd)
+            return None
     agent.service_asleep = True
-    return True
+    return fds
+
+
+def _children():
+    """Pids of this process's children (of all its threads), or None if /proc does not say."""
+    pids = []
+    try:
+        for tid in os.listdir('/proc/self/task'):
+            try:
+                with open('/proc/self/task/%s/children' % tid, 'rb') as fh:
+                    pids.extend(int(p) for p in fh.read().split())
+            except FileNotFoundError:
+                if os.path.exists('/proc/self/task/%s' % tid):
+                    return None  # (a kernel without it)
+    except (OSError, ValueError):
+        return None
+    return pids
 
 
 def _idle(agent):

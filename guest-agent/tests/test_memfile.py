@@ -76,8 +76,9 @@ class WhenIdleTest(unittest.TestCase):
         self.use([-errno.ETIMEDOUT])
         self.ticks(memfile.QUIET_TICKS, 1)
         self.assertFalse(memfile.when_idle(1, True, self.logged.append), 'tried again later: keep ticking')
-        memfile.STATE['lib'] = None  # reclaim off: nothing to wait for, but a running eval is not idle
-        self.assertEqual([memfile.when_idle(1, idle, self.logged.append) for idle in (True, False)], [True, False])
+        memfile.STATE['lib'] = None  # reclaim off: settled once a whole tick was quiet (no frame, nothing running)
+        self.assertEqual([memfile.when_idle(a, idle, self.logged.append) for a, idle in ((1, True), (1, False), (1, True), (2, True), (2, True))],
+                         [True, False, True, False, True])
 
     def test_three_give_ups_in_a_row_stop_it(self):
         lib = self.use([-errno.ETIMEDOUT])

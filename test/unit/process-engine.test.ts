@@ -532,7 +532,12 @@ test("an idle fork gives back its copies of the template's bytes (reclaim); what
 /** Context switches of all a process's threads so far: unchanged while none of them wakes. */
 const wakeups = (pid: number) =>
   readdirSync(`/proc/${pid}/task`).reduce((t, tid) => {
-    const st = readFileSync(`/proc/${pid}/task/${tid}/status`, 'utf8');
+    let st: string;
+    try {
+      st = readFileSync(`/proc/${pid}/task/${tid}/status`, 'utf8');
+    } catch {
+      return t; // (a thread that ended meanwhile)
+    }
     return t + Number(/^voluntary_ctxt_switches:\s+(\d+)/m.exec(st)?.[1]) + Number(/^nonvoluntary_ctxt_switches:\s+(\d+)/m.exec(st)?.[1]);
   }, 0);
 /** Whether no thread of pid woke in `ms` (three of an awake service thread's ticks in 1500 ms). */
@@ -547,24 +552,33 @@ const comesToSleep = async (pid: number, timeoutMs: number) => {
   return false;
 };
 
-test('an idle fork sleeps once it has given back its copies (no tick writes them again); a request wakes it, a process of its own keeps it reaping', async () => {
+test('an idle fork sleeps once it has given back its copies (no tick writes them again); a request or the exit of a child process wakes it', async () => {
   const [c] = await engine.fork(TEMPLATE, 1);
   try {
     const pid = hostPid(c!);
     assert.is(await val(c!.agent, '1 + 1'), 2);
     assert.ok(await comesToSleep(pid, 15000), 'idle, it sleeps: no thread wakes');
-    assert.is(await val(c!.agent, '2 + 2'), 4, 'a request is answered');
+    // a request wakes its service thread (which then ticks through a quiet spell), not only the connection's
+    assert.is(await val(c!.agent, '2 + 2'), 4);
+    assert.not.ok(await sleptFor(pid, 1500), 'the request woke the service thread');
     assert.ok(await comesToSleep(pid, 15000), 'and it sleeps again');
-    // an orphan (a child of PID 1 once its shell exits): the service thread ticks to reap it, then sleeps
-    const orphan = await val(c!.agent, 'import subprocess\nint(subprocess.run(["sh", "-c", "sleep 2 & echo $!"], capture_output=True, text=True).stdout)');
-    assert.not.ok(await sleptFor(pid, 1500), 'ticks while it has a process to reap');
-    assert.ok(await comesToSleep(pid, 20000), 'the orphan gone, it sleeps');
+    // an orphan (a child of PID 1 once its shell exits) that outlives a quiet spell: it sleeps
+    // meanwhile, and the orphan's exit wakes it to reap it (no request comes in between)
+    const orphan = await val(c!.agent, 'import subprocess\nint(subprocess.run(["sh", "-c", "sleep 8 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True).stdout)');
+    assert.ok(await comesToSleep(pid, 6000), 'asleep while its child runs');
+    assert.ok(childrenOf(pid).length > 0, 'the orphan still runs');
+    assert.ok(await pollUntil(() => childrenOf(pid).length === 0, 15000, 200), 'the orphan reaped once it exited');
+    assert.ok(await comesToSleep(pid, 15000), 'and it sleeps again');
     assert.is(await val(c!.agent, `import os\nos.path.exists("/proc/${orphan}")`), false, 'the orphan was reaped');
-    // a branch sleeps on a wake-up of its own (not its source's): each answers after it slept
+    // a branch sleeps on a wake-up of its own (not its source's): a request to each wakes that one
     const [br] = await engine.branch(c!, 1);
     try {
-      assert.ok(await comesToSleep(hostPid(br!), 15000), 'the branch sleeps');
-      assert.equal([await val(br!.agent, '3 + 3'), await val(c!.agent, '4 + 4')], [6, 8]);
+      for (const s of [br!, c!]) assert.ok(await comesToSleep(hostPid(s), 15000), `${s === br ? 'the branch' : 'its source'} sleeps`);
+      assert.is(await val(br!.agent, '3 + 3'), 6);
+      assert.not.ok(await sleptFor(hostPid(br!), 1500), "a request woke the branch's service thread");
+      assert.ok(await sleptFor(hostPid(c!), 1500), 'and not its source');
+      assert.is(await val(c!.agent, '4 + 4'), 8);
+      assert.not.ok(await sleptFor(hostPid(c!), 1500), "a request woke the source's");
     } finally {
       await br!.kill();
     }
