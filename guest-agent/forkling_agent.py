@@ -1388,6 +1388,10 @@ class Agent:
             for p in finished[:-256]:  # keep the last 256 finished background processes
                 self.procs.pop(p.id, None)
 
+    def idle(self):
+        """No eval runs and no client request is open."""
+        return self.running is None and not any(c.open for c in list(self.connections))
+
     def tracked_pids(self):
         with self.procs_lock:
             return {p.pid for p in self.procs.values() if p.exit_code is None and p.signal is None}

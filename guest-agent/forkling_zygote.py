@@ -1354,7 +1354,7 @@ def _service(agent, lsock):
         if not events:  # a quiet tick: once the sandbox has been idle a whole one, its copies equal to the template's go
             kids = _may_sleep(agent) if unclaimed_until is None else None
             sleep = kids is not None
-            settled = forkling_memfile.when_idle(agent.frames, _idle(agent), _agent_mod.log, watched + kids if sleep else ())
+            settled = forkling_memfile.when_idle(agent.frames, agent.idle(), _agent_mod.log, watched + kids if sleep else ())
             if sleep and settled:
                 timeout = -1
                 agent.service_asleep = True  # (again: a reclaim that slept was woken, maybe by a frame that cleared it)
@@ -1412,13 +1412,6 @@ def _children():
     except (OSError, ValueError):
         return None
     return pids
-
-
-def _idle(agent):
-    """No eval runs and no client request is open."""
-    if agent.running is not None:
-        return False
-    return not any(c.open for c in list(agent.connections))
 
 
 # ------------------------------------------------------------------ branch: copy a layer

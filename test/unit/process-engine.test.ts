@@ -17,6 +17,7 @@ import { ensureImage } from '../../host/images.ts';
 import { storePath } from '../../host/store.ts';
 import { pollUntil } from '../../host/util/poll.ts';
 import { loud } from '../loud-hook.ts';
+import { comesToSleep, sleptFor } from '../wakeups.ts';
 
 const root = dirname(dirname(dirname(fileURLToPath(import.meta.url))));
 
@@ -528,29 +529,6 @@ test("an idle fork gives back its copies of the template's bytes (reclaim); what
     rmSync(storePath('process-templates', `${name}.json`), { force: true });
   }
 });
-
-/** Context switches of all a process's threads so far: unchanged while none of them wakes. */
-const wakeups = (pid: number) =>
-  readdirSync(`/proc/${pid}/task`).reduce((t, tid) => {
-    let st: string;
-    try {
-      st = readFileSync(`/proc/${pid}/task/${tid}/status`, 'utf8');
-    } catch {
-      return t; // (a thread that ended meanwhile)
-    }
-    return t + Number(/^voluntary_ctxt_switches:\s+(\d+)/m.exec(st)?.[1]) + Number(/^nonvoluntary_ctxt_switches:\s+(\d+)/m.exec(st)?.[1]);
-  }, 0);
-/** Whether no thread of pid woke in `ms` (three of an awake service thread's ticks in 1500 ms). */
-const sleptFor = async (pid: number, ms: number) => {
-  const before = wakeups(pid);
-  await new Promise((r) => setTimeout(r, ms));
-  return wakeups(pid) === before;
-};
-/** Whether pid comes to sleep for 1500 ms within `timeoutMs`. */
-const comesToSleep = async (pid: number, timeoutMs: number) => {
-  for (const deadline = Date.now() + timeoutMs; Date.now() < deadline; ) if (await sleptFor(pid, 1500)) return true;
-  return false;
-};
 
 test('an idle fork sleeps once it has given back its copies (no tick writes them again); a request or the exit of a child process wakes it', async () => {
   const [c] = await engine.fork(TEMPLATE, 1);
