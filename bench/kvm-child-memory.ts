@@ -78,9 +78,12 @@ try {
       boot: { initOnFree: !values['no-init-on-free'], kernelArgs: values['kernel-args']!.split(' ').filter(Boolean) },
     }),
   );
-  const [child] = await labRetry('fork', () => engine.fork(name, 1));
+  // Two siblings with the same history: the second is only read, to see which of the first's
+  // private pages every child writes alike (what one shared copy could serve).
+  const [child, sibling] = await labRetry('fork', () => engine.fork(name, 2));
   const sb = child!;
   const vm = sb.nativeVm();
+  let alike = 0;
   // Each step: the private pages, then reclaim (pages equal to the template's
   // again are given back) unless --no-reclaim, and the pages left.
   const steps: { what: string; pages: number; left: number; us: number; held: number }[] = [];
@@ -88,7 +91,11 @@ try {
   const step = (what: string) => {
     const before = frames(sb);
     const pages = before.length;
-    if (what.startsWith('idle 10 s')) idle = before;
+    if (what.startsWith('idle 10 s')) {
+      idle = before;
+      const other = sibling!.nativeVm();
+      alike = before.filter((f) => vm.guestBytes(f * 4096, 4096).equals(other.guestBytes(f * 4096, 4096))).length;
+    }
     let left = pages;
     let us = 0;
     let held = 0;
@@ -101,7 +108,7 @@ try {
     steps.push({ what, pages, left, us, held });
   };
   step('restore answered (ready)');
-  if ((await sb.agent.eval('1 + 1')).value !== 2) throw new Error('first eval: wrong answer');
+  for (const k of [sb, sibling!]) if ((await k.agent.eval('1 + 1')).value !== 2) throw new Error('first eval: wrong answer');
   step('first eval answered');
   await new Promise((r) => setTimeout(r, 2000));
   step('idle 2 s later');
@@ -124,9 +131,10 @@ try {
   const r = await sb.agent.exec(['python3', '-c', CLASSIFY], { stdin: new TextEncoder().encode(JSON.stringify(idle)) });
   if (r.exitCode !== 0) throw new Error(`classifying inside the guest failed: ${new TextDecoder().decode(r.stderr)}`);
   const kinds = JSON.parse(new TextDecoder().decode(r.stdout)) as Record<string, number>;
+  console.log(`  of the pages private at "idle 10 s later", ${alike * 4} KiB hold what a sibling with the same history holds at the same address, ${(idle.length - alike) * 4} KiB differ`);
   console.log('  what the pages private at "idle 10 s later" hold (guest /proc/kpageflags, /proc/iomem):');
   for (const [k, n] of Object.entries(kinds).sort((a, b) => b[1] - a[1])) console.log(`    ${k.padEnd(46)} ${String(n * 4).padStart(6)} KiB`);
-  await sb.kill();
+  await Promise.all([sb.kill(), sibling!.kill()]);
 } finally {
   await engine.close();
   rmSync(templateDir(name), { recursive: true, force: true });
