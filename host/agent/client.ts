@@ -149,9 +149,13 @@ export class AgentClient {
   }
 
   private readonly idleListeners: (() => void)[] = [];
-  /** Calls `fn` each time the last request in flight settles. */
-  onIdle(fn: () => void): void {
+  /** Calls `fn` each time the last request in flight settles; returns what stops that. */
+  onIdle(fn: () => void): () => void {
     this.idleListeners.push(fn);
+    return () => {
+      const i = this.idleListeners.indexOf(fn);
+      if (i >= 0) this.idleListeners.splice(i, 1);
+    };
   }
 
   /** Closes the stream; pending requests reject with code 'closed' and `why` (default: closed by the client). */
@@ -249,7 +253,7 @@ export class AgentClient {
     if (!p) return undefined;
     this.pending.delete(id);
     p.cleanup();
-    if (this.pending.size === 0) for (const fn of this.idleListeners) fn();
+    if (this.pending.size === 0) for (const fn of [...this.idleListeners]) fn(); // (a copy: one may remove itself)
     return p;
   }
 

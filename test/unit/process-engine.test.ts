@@ -1175,6 +1175,37 @@ test('spare forks: taken first, restored when made (fresh randomness each), a de
   assert.equal(pids.filter(alive), []);
 });
 
+test('after a fork the refill of spares waits until what it handed out has answered a first request, or 250 ms; a fork meanwhile starts it', async () => {
+  const spareEngine = new ProcessEngine({ warn: () => {}, spares: 2 });
+  const kids: Sandbox[] = [];
+  try {
+    await spareEngine.fork(TEMPLATE, 1).then((k) => Promise.all(k.map((x) => x.kill()))); // starts the zygote
+    assert.is(await spareEngine.sparesReady(TEMPLATE), 2);
+    const z = (spareEngine as unknown as { zygotes: Map<string, { spares: Sandbox[]; refillNow: (() => void) | null }> }).zygotes.get(TEMPLATE)!;
+    kids.push(...(await spareEngine.fork(TEMPLATE, 1)));
+    assert.ok(z.refillNow, 'the refill waits');
+    assert.is(z.spares.length, 1);
+    assert.is(await val(kids[0]!.agent, '1 + 1'), 2);
+    assert.is(z.refillNow, null, 'it started at the first answer');
+    assert.is(await spareEngine.sparesReady(TEMPLATE), 2);
+    // no request: it starts by itself
+    kids.push(...(await spareEngine.fork(TEMPLATE, 1)));
+    assert.ok(z.refillNow, 'the refill waits');
+    assert.ok(await pollUntil(() => z.refillNow === null, 5000), 'it started by itself');
+    assert.is(await spareEngine.sparesReady(TEMPLATE), 2);
+    // another fork while it waits: started at once, and that fork gets what it asked for
+    kids.push(...(await spareEngine.fork(TEMPLATE, 1)));
+    assert.ok(z.refillNow, 'the refill waits');
+    const more = await spareEngine.fork(TEMPLATE, 3);
+    kids.push(...more);
+    assert.equal(await Promise.all(more.map((k) => val(k.agent, 'WARM["answer"]'))), [42, 42, 42]);
+    assert.is(new Set(kids.map((k) => k.id)).size, kids.length);
+    assert.is(await spareEngine.sparesReady(TEMPLATE), 2);
+  } finally {
+    await spareEngine.close();
+  }
+});
+
 test('works unprivileged too (uid 65534, user namespaces)', async () => {
   const home = mkdtempSync('/tmp/forkling-unpriv-');
   chownSync(home, 65534, 65534);

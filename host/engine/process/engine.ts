@@ -53,6 +53,11 @@ const DEFAULT_ID_BASE = 0x6f000000;
 const MAX_SPARES = 1024;
 /** Children per fork request to a zygote (measured: 25 beat 10, 50 and one request for 100 on 2 cores). */
 const FORK_CHUNK = 25;
+// After a fork, its refill of spares waits until the sandboxes just handed out
+// have answered a first request (or this long): forking more on the same cores
+// meanwhile slowed that first answer (a spare's first eval 13-17 ms with the
+// refill at once, 7-8.5 ms after it, on this 2-core machine).
+const REFILL_DEFER_MS = 250;
 
 export interface ProcessEngineOptions {
   /** Called with warnings (e.g. no cgroup limits); default: console.error. */
@@ -110,6 +115,8 @@ interface Zygote extends Root {
   /** Forked, connected and restored, not handed out yet: fork() takes these first. */
   spares: ProcessSandbox[];
   refilling: Promise<void> | null;
+  /** Set while a refill waits for first answers (REFILL_DEFER_MS): starts it now. */
+  refillNow: (() => void) | null;
   /** Fork requests whose children may still be in the zygote's cgroup: two at a time (see chunks()). */
   requests: Gate;
   /** The template frozen and the fork server started (a fork with no children): prepare(). */
@@ -696,7 +703,7 @@ export class ProcessEngine implements Engine {
       await this.destroyRoot(root);
       throw e;
     }
-    const z: Zygote = { ...root, info, client, limits, dead: false, spares: [], refilling: null, requests: new Gate(2), prepared: null };
+    const z: Zygote = { ...root, info, client, limits, dead: false, spares: [], refilling: null, refillNow: null, requests: new Gate(2), prepared: null };
     void client.closed
       .then(() => {
         z.dead = true;
@@ -763,6 +770,7 @@ export class ProcessEngine implements Engine {
     const startedAt = performance.now();
     const z = await this.zygote(template);
     // Spares being made now are ready sooner than new forks, which would queue behind them at the zygote.
+    z.refillNow?.();
     if (z.spares.length < n && z.refilling) await z.refilling.catch(() => {});
     const take: ProcessSandbox[] = [];
     while (take.length < n && z.spares.length > 0) {
@@ -775,13 +783,13 @@ export class ProcessEngine implements Engine {
         this.spawnChildren(z, k, true, startedAt),
       ),
     ]);
-    this.refill(z);
     const got: ProcessSandbox[] = [];
     const errors: string[] = [];
     for (const p of parts) {
       if (p.status === 'rejected') errors.push((p.reason as Error).message);
       else got.push(...(Array.isArray(p.value) ? p.value : [p.value]));
     }
+    this.refill(z, true, got);
     if (errors.length) {
       await Promise.all(got.map((s) => s.kill()));
       throw new UserError(`fork: ${errors.join('; ')}`);
@@ -801,14 +809,13 @@ export class ProcessEngine implements Engine {
    * `followUp`: once this refill is done, one more for spares handed out meanwhile (not again after that:
    * a template whose forks die at once must not make them forever).
    */
-  private refill(z: Zygote, followUp = true): void {
+  private refill(z: Zygote, followUp = true, after: ProcessSandbox[] = []): void {
     z.spares = z.spares.filter((s) => s.running);
     const want = this.spareTarget - z.spares.length;
     if (want <= 0 || z.refilling || z.dead || this.closed) return;
     let failed = false;
-    z.refilling = Promise.allSettled(
-      chunks(want, z.limits.pids).map((k) => this.spawnChildren(z, k, false)),
-    )
+    z.refilling = this.firstAnswers(z, after)
+      .then(() => (z.dead || this.closed ? [] : Promise.allSettled(chunks(want, z.limits.pids).map((k) => this.spawnChildren(z, k, false)))))
       .then((parts) => {
         for (const p of parts) {
           if (p.status === 'rejected') {
@@ -824,6 +831,32 @@ export class ProcessEngine implements Engine {
         // Spares handed out while this refill ran are made now, not at the next fork (after a failure: at the next fork).
         if (followUp && !failed && this.zygotes.get(z.info.name) === z) this.refill(z, false);
       });
+  }
+
+  /** Resolves once each of `sandboxes` has answered a request (or after REFILL_DEFER_MS, or at z.refillNow()). */
+  private firstAnswers(z: Zygote, sandboxes: ProcessSandbox[]): Promise<void> {
+    if (sandboxes.length === 0) return Promise.resolve();
+    return new Promise((resolve) => {
+      let left = sandboxes.length;
+      const offs: (() => void)[] = [];
+      const done = () => {
+        if (z.refillNow !== done) return;
+        z.refillNow = null;
+        clearTimeout(timer);
+        for (const off of offs) off();
+        resolve();
+      };
+      const timer = setTimeout(done, REFILL_DEFER_MS);
+      timer.unref();
+      z.refillNow = done;
+      for (const s of sandboxes) {
+        const off = s.agent.onIdle(() => {
+          off(); // (its first answer only)
+          if (--left === 0) done();
+        });
+        offs.push(off);
+      }
+    });
   }
 
   /** Resolves once the template's spare forks (if any are configured) are ready (benchmarks, tests). */
