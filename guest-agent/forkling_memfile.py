@@ -45,7 +45,7 @@ QUIET_TICKS = 4
 # The pattern child publishes after as many (forkling_zygote ticks it faster): each tick
 # moves counters a fork's pages hold (CPython's dict versions, its bytecode's warm-up counters),
 # so the pattern is what a fork's memory is only after the same ticks.
-PATTERN_FRAMES = 3
+PATTERN_FRAMES = 3  # ... and not before it has answered the zygote's hello, restore and eval
 
 
 def _load(log):

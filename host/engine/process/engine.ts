@@ -55,8 +55,8 @@ const MAX_SPARES = 1024;
 const FORK_CHUNK = 25;
 // After a fork, its refill of spares waits until the sandboxes just handed out
 // have answered a first request (or this long): forking more on the same cores
-// meanwhile slowed that first answer (a spare's first eval 13-17 ms with the
-// refill at once, 7-8.5 ms after it, on this 2-core machine).
+// meanwhile slowed that first answer (a reclaimed spare's first eval 10.5-11.7
+// ms with the refill at once, 7.2-8.1 ms after it, on a 2-core machine).
 const REFILL_DEFER_MS = 250;
 
 export interface ProcessEngineOptions {
