@@ -20,6 +20,7 @@
 #include "vmm/snapshot/diff_layer.h"
 #include "vmm/snapshot/memory_file.h"
 #include "vmm/snapshot/pagemap.h"
+#include "vmm/snapshot/pattern.h"
 #include "vmm/snapshot/reclaim.h"
 #include "vmm/snapshot/state_file.h"
 #include "vmm/snapshot/vm_snapshot.h"
@@ -282,6 +283,7 @@ Napi::Value VmMemoryUsage(const Napi::CallbackInfo& info, vmm::Vm& vm) {
     o.Set("guestPrivateBytes", Napi::Number::New(env, double(u.guest_private_bytes)));
     o.Set("guestSharedBytes", Napi::Number::New(env, double(u.guest_shared_bytes)));
     o.Set("guestMemfdBytes", Napi::Number::New(env, double(u.guest_memfd_bytes)));
+    o.Set("guestPatternBytes", Napi::Number::New(env, double(u.guest_pattern_bytes)));
     // memoryUsage({frames: true}): also the guest frame numbers of the private pages.
     if (info.Length() > 0 && info[0].IsObject() && info[0].As<Napi::Object>().Get("frames").ToBoolean()) {
       std::vector<uint64_t> f = ss::PrivateGuestFrames(vm);
@@ -313,10 +315,27 @@ Napi::Value VmReclaim(const Napi::CallbackInfo& info, vmm::Vm& vm) {
     o.Set("nextPage", r.done ? env.Null() : Napi::Number::New(env, double(r.next_page)));
     o.Set("privatePages", Napi::Number::New(env, double(r.private_pages)));
     o.Set("droppedPages", Napi::Number::New(env, double(r.dropped_pages)));
+    o.Set("patternPages", Napi::Number::New(env, double(r.pattern_pages)));
     o.Set("pauseUs", Napi::Number::New(env, double(r.pause_ns) / 1000.0));
     o.Set("longestPauseUs", Napi::Number::New(env, double(r.longest_pause_ns) / 1000.0));
     o.Set("totalUs", Napi::Number::New(env, double(r.total_ns) / 1000.0));
     return o;
+  });
+}
+
+Napi::Value VmCapturePattern(const Napi::CallbackInfo& info, vmm::Vm& vm) {
+  return Guard(info.Env(), [&]() -> Napi::Value {
+    if (!info[0].IsString()) throw std::invalid_argument("capturePattern(dir)");
+    return WrapLayer(info.Env(), ss::CapturePattern(vm, info[0].As<Napi::String>()));
+  });
+}
+
+Napi::Value VmSetPattern(const Napi::CallbackInfo& info, vmm::Vm& vm) {
+  return Guard(info.Env(), [&]() -> Napi::Value {
+    Napi::Value h = info[0].IsObject() ? info[0].As<Napi::Object>().Get("handle") : info.Env().Undefined();
+    if (!h.IsExternal()) throw std::invalid_argument("setPattern(layer): a layer from capturePattern");
+    vm.SetPattern(*h.As<Napi::External<LayerRef>>().Data());
+    return info.Env().Undefined();
   });
 }
 

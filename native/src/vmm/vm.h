@@ -29,6 +29,7 @@ class VirtioPciDevice;
 class VirtioVsock;
 namespace snapshot {
 class DiffLayer;
+class PatternBacking;
 }
 
 // An open file descriptor shared by the specs and VMs that use it; closed
@@ -145,6 +146,10 @@ class Vm {
   std::vector<uint64_t> TakeDirtyPages();
   std::vector<uint64_t> RngWritablePages();
   bool stopped() const { return stopped_; }
+  // The pattern this VM maps equal pages from at reclaim
+  // (vmm/snapshot/pattern.h), set once; null until then.
+  void SetPattern(std::shared_ptr<const snapshot::DiffLayer> layer);
+  snapshot::PatternBacking* pattern() const { return pattern_.get(); }
 
  private:
   struct Vcpu {
@@ -185,6 +190,7 @@ class Vm {
   VmConfig cfg_;
   EventFn on_event_;
   std::shared_ptr<const RestoreSpec> origin_;
+  std::shared_ptr<snapshot::PatternBacking> pattern_;
   int kvm_fd_ = -1;
   int vm_fd_ = -1;
   GuestRam ram_;

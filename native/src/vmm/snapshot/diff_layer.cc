@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstddef>
 #include <cstring>
+#include <stdexcept>
 #include <system_error>
 
 #include "vmm/snapshot/checksum.h"
@@ -115,6 +116,19 @@ std::vector<uint64_t> DiffLayer::Pages() const {
   return out;
 }
 
+const DiffRun* DiffLayer::Find(uint64_t page) const {
+  auto r = std::upper_bound(runs_.begin(), runs_.end(), page, [](uint64_t p, const DiffRun& x) { return p < x.page; });
+  if (r == runs_.begin()) return nullptr;
+  --r;
+  return page < r->page + r->count ? &*r : nullptr;
+}
+
+void DiffLayer::ReadPage(uint64_t page, uint8_t* buf) const {
+  const DiffRun* r = Find(page);
+  if (!r) throw std::logic_error("a diff layer was asked for a page it does not hold");
+  if (!PreadAll(fd_, buf, kPageSize, data_off_ + (r->slot + page - r->page) * kPageSize)) ThrowErrno("read a diff layer page");
+}
+
 std::shared_ptr<DiffLayer> DiffLayer::Open(int fd, const std::string& what) {
   auto layer = std::shared_ptr<DiffLayer>(new DiffLayer());
   layer->fd_ = fd;
@@ -190,6 +204,17 @@ std::vector<uint64_t> FillGaps(const std::vector<uint64_t>& pages, size_t budget
       if (gap == threshold) at_threshold_allowed--;
       for (uint64_t p = pages[i - 1] + 1; p < pages[i]; p++) out.push_back(p);
     }
+    out.push_back(pages[i]);
+  }
+  return out;
+}
+
+std::vector<uint64_t> FillSmallGaps(const std::vector<uint64_t>& pages, uint64_t max_gap) {
+  std::vector<uint64_t> out;
+  out.reserve(pages.size());
+  for (size_t i = 0; i < pages.size(); i++) {
+    if (i && pages[i] - pages[i - 1] - 1 <= max_gap)
+      for (uint64_t p = pages[i - 1] + 1; p < pages[i]; p++) out.push_back(p);
     out.push_back(pages[i]);
   }
   return out;

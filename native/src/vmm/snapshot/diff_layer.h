@@ -54,6 +54,11 @@ class DiffLayer {
   const std::vector<DiffRun>& runs() const { return runs_; }
   // Guest page numbers, ascending.
   std::vector<uint64_t> Pages() const;
+  // The run holding `page`, or null.
+  const DiffRun* Find(uint64_t page) const;
+  // Copies the layer's copy of `page` (which Find must have found) into buf.
+  // Throws std::system_error.
+  void ReadPage(uint64_t page, uint8_t* buf) const;
 
   // Opens and checks a diff file (`fd` is taken over). The data checksum, when
   // the file has one, is verified here, once per layer object. Throws CorruptError naming `what`.
@@ -68,6 +73,10 @@ class DiffLayer {
 // Adds gap pages to a sorted page list until it forms at most `budget` runs
 // (closing the smallest gaps first). Returns the new sorted list.
 std::vector<uint64_t> FillGaps(const std::vector<uint64_t>& pages, size_t budget);
+
+// Adds the pages of every gap of at most `max_gap` pages between pages of a
+// sorted list. Returns the new sorted list.
+std::vector<uint64_t> FillSmallGaps(const std::vector<uint64_t>& pages, uint64_t max_gap);
 
 // Writes a diff file to `fd` (empty, e.g. O_TMPFILE) with the given pages of
 // [mem, mem+ram_size) (`pages` sorted, unique). Throws std::system_error.

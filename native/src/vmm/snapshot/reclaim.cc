@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <stdexcept>
 #include <system_error>
@@ -15,6 +16,7 @@
 
 #include "vmm/snapshot/diff_layer.h"
 #include "vmm/snapshot/pagemap.h"
+#include "vmm/snapshot/pattern.h"
 #include "vmm/virtio_vsock.h"
 
 namespace forkling::vmm::snapshot {
@@ -71,14 +73,10 @@ class SnapshotPages {
   // of the memory file (zeros; read without making a page-cache page).
   bool Read(uint64_t page, uint8_t* buf) const {
     for (auto it = spec_.layers.rbegin(); it != spec_.layers.rend(); ++it) {
-      const DiffLayer& layer = **it;
-      const std::vector<DiffRun>& runs = layer.runs();  // sorted by page
-      auto r = std::upper_bound(runs.begin(), runs.end(), page, [](uint64_t p, const DiffRun& x) { return p < x.page; });
-      if (r == runs.begin()) continue;
-      --r;
-      if (page >= r->page + r->count) continue;
-      PreadPage(layer.fd(), buf, layer.data_offset() + (r->slot + page - r->page) * kPage);
-      return true;
+      if ((*it)->Find(page)) {
+        (*it)->ReadPage(page, buf);
+        return true;
+      }
     }
     const uint64_t off = page * kPage;
     const int fd = fd_ >= 0 ? fd_ : spec_.memory_fd->get();
@@ -97,15 +95,126 @@ class SnapshotPages {
   int fd_ = -1;
 };
 
+using Clock = std::chrono::steady_clock;
+uint64_t Ns(Clock::time_point a, Clock::time_point b) {
+  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count());
+}
+
+// Maps the pattern's runs that start in RAM pages [from, to) over the VM's
+// pages where these hold the pattern's bytes, if that shares at least one
+// private page (`priv`, sorted). Compared while the guest runs, then again
+// held still, as for dropping. Returns the pages now mapped from the pattern.
+std::vector<uint64_t> MapPattern(Vm& vm, PatternBacking& pb, const std::vector<uint64_t>& priv, uint64_t from, uint64_t to,
+                                 ReclaimResult& r) {
+  std::vector<uint64_t> mapped;
+  if (pb.MapsLeft() == 0) return mapped;
+  const DiffLayer& layer = pb.layer();
+  const GuestRam& ram = vm.ram();
+  const uint64_t ram_pages = ram.size() / kPage;
+  auto is_priv = [&](uint64_t p) { return std::binary_search(priv.begin(), priv.end(), p); };
+  struct Span {
+    uint64_t page = 0, count = 0;
+    size_t copy = 0;    // its first page in `copies`
+    uint64_t gain = 0;  // private pages in it
+  };
+  std::vector<Span> spans;
+  // The pattern's bytes of every span page; not zero-filled: only the slots used are written.
+  std::unique_ptr<uint8_t[]> copies(new uint8_t[kChunkPages * kPage]);
+  size_t copied = 0;
+  const std::vector<DiffRun>& runs = layer.runs();
+  auto it = std::lower_bound(runs.begin(), runs.end(), from, [](const DiffRun& x, uint64_t p) { return x.page < p; });
+  for (; it != runs.end() && it->page < to && copied < kChunkPages; ++it) {
+    const uint64_t end = std::min(it->page + it->count, ram_pages);
+    bool any = false;  // a private page not from the pattern yet: only such a run can gain
+    for (auto q = std::lower_bound(priv.begin(), priv.end(), it->page); q != priv.end() && *q < end && !any; ++q)
+      any = !pb.Has(*q);
+    if (!any) continue;
+    Span cur;
+    auto close = [&] {
+      if (cur.gain) spans.push_back(cur);
+      else copied -= cur.count;  // (the last pages copied)
+      cur = Span();
+    };
+    for (uint64_t p = it->page; p < end && copied < kChunkPages; p++) {
+      uint8_t* c = copies.get() + copied * kPage;
+      if (!pb.Has(p)) layer.ReadPage(p, c);
+      if (pb.Has(p) || std::memcmp(ram.host() + p * kPage, c, kPage) != 0) {
+        close();
+        continue;
+      }
+      if (!cur.count) {
+        cur.page = p;
+        cur.copy = copied;
+      }
+      cur.count++;
+      copied++;
+      cur.gain += is_priv(p);
+    }
+    close();
+  }
+  if (spans.empty()) return mapped;
+  const size_t left = pb.MapsLeft();
+  if (spans.size() > left) {  // the spans that share the most pages
+    std::stable_sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.gain > b.gain; });
+    spans.resize(left);
+    std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.page < b.page; });
+  }
+
+  VirtioVsock* vsock = vm.vsock();
+  if (vsock) vsock->Pause();
+  const auto p0 = Clock::now();
+  vm.Hold();
+  try {
+    for (const Span& s : spans) {
+      uint64_t start = 0, len = 0, gain = 0;
+      auto map = [&] {
+        if (gain && pb.MapsLeft()) {
+          const DiffRun* run = layer.Find(start);
+          const off_t off = off_t(layer.data_offset() + (run->slot + start - run->page) * kPage);
+          uint8_t* at = ram.host() + start * kPage;
+          // Past the check on the VMA limit, MAP_FIXED fails only when the
+          // kernel is out of memory, and may have unmapped the range: the
+          // guest then faults there and its VM stops (no other VM is touched).
+          if (mmap(at, len * kPage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE, layer.fd(), off) == MAP_FAILED)
+            Fail("mmap a run of the pattern");
+          madvise(at, len * kPage, MADV_DONTDUMP);  // (as the rest of guest RAM; lets the VMAs merge)
+          pb.Add(start, len);
+          for (uint64_t i = 0; i < len; i++) mapped.push_back(start + i);
+          r.pattern_pages += gain;
+        }
+        len = gain = 0;
+      };
+      for (uint64_t i = 0; i < s.count; i++) {
+        const uint64_t p = s.page + i;
+        if (std::memcmp(ram.host() + p * kPage, copies.get() + (s.copy + i) * kPage, kPage) != 0) {
+          map();
+          continue;
+        }
+        if (!len) start = p;
+        len++;
+        gain += is_priv(p);
+      }
+      map();
+    }
+  } catch (...) {
+    vm.Release();
+    if (vsock) vsock->Resume();
+    throw;
+  }
+  vm.Release();
+  const uint64_t paused = Ns(p0, Clock::now());
+  if (vsock) vsock->Resume();
+  r.pause_ns += paused;
+  r.longest_pause_ns = std::max(r.longest_pause_ns, paused);
+  return mapped;
+}
+
 }  // namespace
 
 ReclaimResult Reclaim(Vm& vm, uint64_t from_page, uint64_t max_pages) {
   std::shared_ptr<const RestoreSpec> origin = vm.origin();
   if (!origin) throw std::runtime_error("only a VM restored from a snapshot can give pages back");
-  using Clock = std::chrono::steady_clock;
-  auto ns = [](Clock::time_point a, Clock::time_point b) {
-    return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count());
-  };
+  auto ns = Ns;
   ReclaimResult r;
   const auto t0 = Clock::now();
   const GuestRam& ram = vm.ram();
@@ -125,6 +234,15 @@ ReclaimResult Reclaim(Vm& vm, uint64_t from_page, uint64_t max_pages) {
     at += n;
   }
   r.private_pages = priv.size();
+  PatternBacking* pattern = vm.pattern();
+  if (pattern && !priv.empty()) {
+    std::vector<uint64_t> mapped = MapPattern(vm, *pattern, priv, from_page, r.done ? ram_pages : r.next_page, r);
+    if (!mapped.empty()) {
+      std::vector<uint64_t> rest;
+      std::set_difference(priv.begin(), priv.end(), mapped.begin(), mapped.end(), std::back_inserter(rest));
+      priv = std::move(rest);
+    }
+  }
   if (priv.empty()) {
     r.total_ns = ns(t0, Clock::now());
     return r;
@@ -145,7 +263,10 @@ ReclaimResult Reclaim(Vm& vm, uint64_t from_page, uint64_t max_pages) {
     for (; i < priv.size() && cands.size() < kChunkPages; i++) {
       const uint8_t* host = ram.host() + priv[i] * kPage;
       uint8_t* buf = copies.get() + used * kPage;
-      if (!snap.Read(priv[i], buf)) {
+      // What the page falls back to when dropped: the pattern's copy if it is mapped from there.
+      const bool from_pattern = pattern && pattern->Has(priv[i]);
+      if (from_pattern) pattern->layer().ReadPage(priv[i], buf);
+      if (!from_pattern && !snap.Read(priv[i], buf)) {
         if (IsZero(host)) cands.push_back({priv[i], -1});
       } else if (std::memcmp(host, buf, kPage) == 0) {
         cands.push_back({priv[i], int64_t(used++)});

@@ -11,6 +11,10 @@
 // child already shares), never with other sandboxes' memory, so unlike KSM
 // this opens no timing channel between sandboxes.
 //
+// A VM with a pattern (pattern.h) first maps the pattern's runs over its
+// pages where they hold the pattern's bytes, and compares a page mapped from
+// the pattern with the pattern's copy, not the snapshot's.
+//
 // Candidates are compared while the guest runs; then the vCPUs and the vsock
 // loop (the only writers of guest RAM) are held still, the candidates
 // compared again and the equal ones dropped, a chunk at a time so that a
@@ -25,6 +29,7 @@ namespace forkling::vmm::snapshot {
 struct ReclaimResult {
   uint64_t private_pages = 0;  // looked at (private before)
   uint64_t dropped_pages = 0;  // equal to the snapshot's again: now shared
+  uint64_t pattern_pages = 0;  // equal to the VM's pattern: now mapped from it (shared)
   // RAM page to go on from when max_pages stopped the call early.
   bool done = true;
   uint64_t next_page = 0;

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <iterator>
 #include <stdexcept>
 
 #include "vmm/snapshot/checksum.h"
@@ -16,6 +17,7 @@
 #include "vmm/snapshot/kvm_state.h"
 #include "vmm/layout.h"
 #include "vmm/snapshot/pagemap.h"
+#include "vmm/snapshot/pattern.h"
 #include "vmm/virtio_pci.h"
 #include "vmm/virtio_rng.h"
 #include "vmm/virtio_vsock.h"
@@ -145,6 +147,13 @@ std::vector<Section> Vm::SaveState() {
   }
   if (vsock_) vsock_->Resume();
   return out;
+}
+
+void Vm::SetPattern(std::shared_ptr<const DiffLayer> layer) {
+  if (!origin_ || !ram_.host() || ram_.shared()) throw std::runtime_error("only a VM restored from a snapshot can map a pattern");
+  if (pattern_) throw std::runtime_error("this VM has a pattern already");
+  if (!layer || layer->ram_size() != ram_.size()) throw std::invalid_argument("the pattern is of a VM with another RAM size");
+  pattern_ = std::make_shared<PatternBacking>(std::move(layer));
 }
 
 void Vm::RestoreRam(const RestoreSpec& spec) {
@@ -353,7 +362,15 @@ BranchResult Branch(Vm& vm, const std::string& dir) {
     vm.SetDirtyLogging(true);
     logging = true;
     vm.TakeDirtyPages();  // start from a clean log
-    std::vector<uint64_t> pages = FillGaps(PrivatePages(ram.host(), ram.size()), kDiffRunBudget);
+    // Pages mapped from a pattern hold what the guest has there too, but
+    // the children map the template and the layers: they are copied as well.
+    std::vector<uint64_t> written = PrivatePages(ram.host(), ram.size());
+    if (const PatternBacking* pb = vm.pattern()) {
+      std::vector<uint64_t> all;
+      std::set_union(written.begin(), written.end(), pb->pages().begin(), pb->pages().end(), std::back_inserter(all));
+      written = std::move(all);
+    }
+    std::vector<uint64_t> pages = FillGaps(written, kDiffRunBudget);
     DiffBuilder diff(fd, ram.size(), ram_pages);
     diff.Add(ram.host(), pages);
     auto p1 = Clock::now();
@@ -434,6 +451,7 @@ MemoryUsage MeasureGuestMemory(const Vm& vm) {
   PageCounts c = CountPages(ram.host(), ram.size());
   u.guest_private_bytes = c.private_pages * kPageSize;
   u.guest_shared_bytes = c.shared_pages * kPageSize;
+  if (const PatternBacking* pb = vm.pattern()) u.guest_pattern_bytes = pb->pages().size() * kPageSize;
   return u;
 }
 

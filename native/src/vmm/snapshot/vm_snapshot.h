@@ -60,6 +60,7 @@ struct MemoryUsage {
   uint64_t guest_private_bytes = 0;  // anonymous copies in the guest RAM mapping
   uint64_t guest_shared_bytes = 0;   // present pages shared with the page cache
   uint64_t guest_memfd_bytes = 0;    // a booted VM: pages its memfd holds
+  uint64_t guest_pattern_bytes = 0;  // mapped from its pattern (written since or not)
 };
 MemoryUsage MeasureGuestMemory(const Vm& vm);
 

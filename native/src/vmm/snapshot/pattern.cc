@@ -1,0 +1,67 @@
+#include "vmm/snapshot/pattern.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+
+#include "vmm/snapshot/pagemap.h"
+#include "vmm/virtio_vsock.h"
+#include "vmm/vm.h"
+
+namespace forkling::vmm::snapshot {
+namespace {
+// Runs mapped from patterns by all VMs of this process (each VM adds its own).
+std::atomic<size_t> g_process_maps{0};
+}  // namespace
+
+PatternBacking::~PatternBacking() { g_process_maps -= maps_; }
+
+bool PatternBacking::Has(uint64_t page) const { return std::binary_search(pages_.begin(), pages_.end(), page); }
+
+size_t PatternBacking::MapsLeft() const {
+  const size_t process = g_process_maps.load();
+  const size_t own = kPatternMapsPerVm - std::min(maps_, kPatternMapsPerVm);
+  return std::min(own, kPatternMapsPerProcess - std::min(process, kPatternMapsPerProcess));
+}
+
+void PatternBacking::Add(uint64_t first, uint64_t count) {
+  std::vector<uint64_t> run(count);
+  for (uint64_t i = 0; i < count; i++) run[i] = first + i;
+  std::vector<uint64_t> merged;
+  merged.reserve(pages_.size() + count);
+  std::set_union(pages_.begin(), pages_.end(), run.begin(), run.end(), std::back_inserter(merged));
+  pages_ = std::move(merged);
+  maps_++;
+  g_process_maps++;
+}
+
+std::shared_ptr<DiffLayer> CapturePattern(Vm& vm, const std::string& dir) {
+  std::shared_ptr<const RestoreSpec> origin = vm.origin();
+  const GuestRam& ram = vm.ram();
+  if (!origin || !ram.host() || ram.shared()) throw std::runtime_error("only a VM restored from a snapshot has a pattern to capture");
+  if (vm.stopped()) throw std::runtime_error("the VM has stopped: it has no pattern to capture");
+  int fd = CreateTempDiffFile(dir);
+  VirtioVsock* vsock = vm.vsock();
+  if (vsock) vsock->Pause();
+  vm.Hold();
+  try {
+    std::vector<uint64_t> pages = PrivatePages(ram.host(), ram.size());
+    if (const PatternBacking* own = vm.pattern()) {
+      std::vector<uint64_t> all;
+      std::set_union(pages.begin(), pages.end(), own->pages().begin(), own->pages().end(), std::back_inserter(all));
+      pages = std::move(all);
+    }
+    WriteDiff(fd, ram.host(), ram.size(), FillSmallGaps(pages, kPatternMaxGap), false);
+  } catch (...) {
+    vm.Release();
+    if (vsock) vsock->Resume();
+    close(fd);
+    throw;
+  }
+  vm.Release();
+  if (vsock) vsock->Resume();
+  return DiffLayer::Open(fd, "the pattern of " + origin->what);
+}
+
+}  // namespace forkling::vmm::snapshot

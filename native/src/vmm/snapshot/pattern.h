@@ -1,0 +1,73 @@
+// Pattern: what the children of one template write alike.
+//
+// Most pages an idle child owns privately hold what every child of the same
+// template holds there after the same first requests: kernel objects of the
+// host's connection, the agent's bookkeeping, counters that went the same
+// way. The engine forks one hidden child, sends it a child's first requests,
+// lets it go idle and captures its private pages as a *pattern* (a diff
+// layer in an unlinked file, small gaps filled with its bytes there). At
+// reclaim, a run of a child's pages that holds byte for byte what the
+// pattern holds is mapped from the pattern file (MAP_PRIVATE | MAP_FIXED over
+// the RAM mapping; KVM follows through its MMU notifier): every child then
+// shares one copy through the page cache, and a write copies one page again.
+//
+// The pattern is only ever a guess: a page is mapped only while the vCPUs
+// and the vsock loop are held and its bytes are equal, so a wrong or stale
+// pattern costs nothing but the comparison. What it changes is what backs a
+// page: a private copy of a page mapped from the pattern falls back to the
+// pattern's bytes when dropped, so reclaim compares such a page with the
+// pattern, and a BRANCH copies pattern-backed pages into its diff layer (its
+// children map the template and the layers, not the pattern).
+//
+// Each mapped run costs up to two VMAs of this process (the kernel allows
+// 65530 by default): a VM maps at most kPatternMapsPerVm runs and all VMs of
+// the process together at most kPatternMapsPerProcess.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "vmm/snapshot/diff_layer.h"
+
+namespace forkling::vmm {
+class Vm;
+}
+
+namespace forkling::vmm::snapshot {
+
+// Gaps between a pattern's private pages filled up to this many pages: the
+// child's bytes there are mostly the template's, so longer runs map at once.
+inline constexpr uint64_t kPatternMaxGap = 8;
+inline constexpr size_t kPatternMapsPerVm = 128;
+inline constexpr size_t kPatternMapsPerProcess = 16384;
+
+// The pattern of one VM and which of its RAM pages are mapped from it now.
+class PatternBacking {
+ public:
+  explicit PatternBacking(std::shared_ptr<const DiffLayer> layer) : layer_(std::move(layer)) {}
+  ~PatternBacking();
+  PatternBacking(const PatternBacking&) = delete;
+  PatternBacking& operator=(const PatternBacking&) = delete;
+
+  const DiffLayer& layer() const { return *layer_; }
+  // RAM pages mapped from the pattern (sorted).
+  const std::vector<uint64_t>& pages() const { return pages_; }
+  bool Has(uint64_t page) const;
+  // Runs this VM may still map (its own budget and the process's).
+  size_t MapsLeft() const;
+  // Records [first, first + count) as mapped from the pattern: one run.
+  void Add(uint64_t first, uint64_t count);
+
+ private:
+  std::shared_ptr<const DiffLayer> layer_;
+  std::vector<uint64_t> pages_;
+  size_t maps_ = 0;
+};
+
+// Captures the private pages of a restored VM (and the pages it maps from a
+// pattern of its own), small gaps filled, into an unlinked diff file in
+// `dir`, with the vCPUs and the vsock loop held. Throws std::system_error.
+std::shared_ptr<DiffLayer> CapturePattern(Vm& vm, const std::string& dir);
+
+}  // namespace forkling::vmm::snapshot
