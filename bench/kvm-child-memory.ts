@@ -1,5 +1,6 @@
 // Where a forked Linux child's private memory goes: the guest pages it owns
-// (pagemap of its RAM mapping) at each step after the fork, then what the
+// (pagemap of its RAM mapping) at each step after the fork, with the engine's
+// idle reclaim passes and the template's pattern as a server runs them, then what the
 // guest kernel says those pages are now (/proc/kpageflags and /proc/iomem,
 // read inside the child as root). Needs KVM that boots a stock kernel: run
 // it in the lab,
@@ -9,11 +10,12 @@
 // Options: --image (default), --warmup (Python run in the template),
 // --no-init-on-free (the template's kernel without init_on_free=1: freed
 // pages are then not zeroed, so a child does not copy pages just to free them),
-// --no-reclaim (do not give back, after each step, the pages that hold the
-// template's bytes again: vm.reclaim()), --kernel-args '<extra guest kernel
-// arguments for the template>'.
+// --no-reclaim (the engine's idle passes off: no page that holds the
+// template's bytes again is given back), --no-pattern (the passes do not map
+// what children hold alike from the template's pattern: pattern.ts),
+// --kernel-args '<extra guest kernel arguments for the template>'.
 import { createHash } from 'node:crypto';
-import { rmSync } from 'node:fs';
+import { readFileSync, rmSync } from 'node:fs';
 import { parseArgs } from 'node:util';
 import { KvmEngine } from '../host/engine/kvm/engine.ts';
 import { templateDir } from '../host/engine/kvm/template.ts';
@@ -26,6 +28,7 @@ const { values } = parseArgs({
     warmup: { type: 'string', default: 'import json, random, uuid' },
     'no-init-on-free': { type: 'boolean', default: false },
     'no-reclaim': { type: 'boolean', default: false },
+    'no-pattern': { type: 'boolean', default: false },
     'kernel-args': { type: 'string', default: '' },
   },
 });
@@ -66,8 +69,19 @@ function frames(sb: KvmSandbox): number[] {
   return [...(sb.nativeVm().memoryUsage({ frames: true }).privateFrames ?? [])];
 }
 
-// Reclaim only where this script says so (the engine's idle passes are off).
-const engine = new KvmEngine({ reclaimIdleMs: 0 });
+/** Polls `ok` (the engine's own state) every 100 ms, up to `ms`. */
+async function until(what: string, ok: () => boolean, ms: number): Promise<void> {
+  const deadline = Date.now() + ms;
+  while (!ok()) {
+    if (Date.now() > deadline) throw new Error(`${what}: not within ${ms / 1000} s`);
+    await new Promise((r) => setTimeout(r, 100));
+  }
+}
+
+const reclaimOn = !values['no-reclaim'];
+const patternOn = reclaimOn && !values['no-pattern'];
+const IDLE_MS = 1000;
+const engine = new KvmEngine({ reclaimIdleMs: reclaimOn ? IDLE_MS : 0, pattern: patternOn });
 const name = `child-memory-${process.pid}`;
 try {
   await labRetry('template boot', () =>
@@ -79,60 +93,59 @@ try {
     }),
   );
   // Two siblings with the same history: the second is only read, to see which of the first's
-  // private pages every child writes alike (what one shared copy could serve).
+  // private pages every child writes alike.
   const [child, sibling] = await labRetry('fork', () => engine.fork(name, 2));
   const sb = child!;
   const vm = sb.nativeVm();
-  let alike = 0;
-  // Each step: the private pages, then reclaim (pages equal to the template's
-  // again are given back) unless --no-reclaim, and the pages left.
-  const steps: { what: string; pages: number; left: number; us: number; held: number }[] = [];
-  let idle: number[] = [];
-  const step = (what: string) => {
-    const before = frames(sb);
-    const pages = before.length;
-    if (what.startsWith('idle 10 s')) {
-      idle = before;
-      const other = sibling!.nativeVm();
-      alike = before.filter((f) => vm.guestBytes(f * 4096, 4096).equals(other.guestBytes(f * 4096, 4096))).length;
-    }
-    let left = pages;
-    let us = 0;
-    let held = 0;
-    if (!values['no-reclaim']) {
-      const r = vm.reclaim();
-      left = r.privatePages - r.droppedPages;
-      us = r.totalUs;
-      held = r.longestPauseUs;
-    }
-    steps.push({ what, pages, left, us, held });
+  const rows: { what: string; priv: number; pattern: number; passes: number }[] = [];
+  const row = (what: string) => {
+    const m = vm.memoryUsage();
+    rows.push({ what, priv: m.guestPrivateBytes / 1024, pattern: m.guestPatternBytes / 1024, passes: sb.reclaimed.passes });
   };
-  step('restore answered (ready)');
+  row('restore answered (ready)');
   for (const k of [sb, sibling!]) if ((await k.agent.eval('1 + 1')).value !== 2) throw new Error('first eval: wrong answer');
-  step('first eval answered');
-  await new Promise((r) => setTimeout(r, 2000));
-  step('idle 2 s later');
+  row('first eval answered');
+  // The engine's passes: the first after 1 s idle; the pattern is built meanwhile by a hidden
+  // child (pattern.ts), and an idle child runs one more pass once it is there.
+  if (patternOn) {
+    await until('the pattern', () => !!engine.patternOf(name)?.layer || !!engine.patternOf(name)?.failed, 300_000);
+    const failed = engine.patternOf(name)?.failed;
+    if (failed) throw new Error(`building the pattern failed: ${failed}`);
+    await until('a pass with the pattern', () => sb.reclaimed.patternPages > 0 || !!sb.reclaimed.failed, 120_000);
+  } else if (reclaimOn) {
+    await until('the first idle pass', () => sb.reclaimed.passes > 0 || !!sb.reclaimed.failed, 120_000);
+  }
+  if (sb.reclaimed.failed) throw new Error(`a reclaim pass failed: ${sb.reclaimed.failed}`);
+  row('after the idle passes');
   await new Promise((r) => setTimeout(r, 8000));
-  step('idle 10 s later');
-  // The child still works after its pages were given back.
+  const idle = frames(sb);
+  const other = sibling!.nativeVm();
+  const alike = idle.filter((f) => vm.guestBytes(f * 4096, 4096).equals(other.guestBytes(f * 4096, 4096))).length;
+  row('idle 8 s later');
+  if (reclaimOn) {
+    await sb.reclaim();
+    row('after one more pass');
+  }
+  // The child still works after its pages were given back or mapped from the pattern.
   const check = await sb.agent.eval('import hashlib; hashlib.sha256(bytes(range(256)) * 4096).hexdigest()');
   const want = createHash('sha256').update(Buffer.concat(Array.from({ length: 4096 }, () => Buffer.from(Array.from({ length: 256 }, (_, i) => i))))).digest('hex');
   if (check.value !== want) throw new Error(`eval after reclaim: wrong answer ${String(check.value)}`);
-  step('another eval answered');
+  row('another eval answered');
+  const layer = engine.patternOf(name)?.layer;
   console.log(
-    `\nprivate guest memory of one forked child (image ${values.image}, warm-up ${JSON.stringify(values.warmup)}, init_on_free=${values['no-init-on-free'] ? 0 : 1}, kernel args ${JSON.stringify(values['kernel-args'])}, reclaim ${values['no-reclaim'] ? 'off' : 'on'})`,
+    `\nprivate guest memory of one forked child (image ${values.image}, warm-up ${JSON.stringify(values.warmup)}, init_on_free=${values['no-init-on-free'] ? 0 : 1}, kernel args ${JSON.stringify(values['kernel-args'])}, idle passes ${reclaimOn ? `after ${IDLE_MS} ms` : 'off'}, pattern ${patternOn ? 'on' : 'off'})`,
   );
-  console.log(`  ${'step'.padEnd(28)} ${'private'.padStart(10)} ${'after reclaim'.padStart(14)} ${'reclaim took'.padStart(13)} ${'vCPUs held'.padStart(11)}`);
-  for (const s of steps)
-    console.log(
-      `  ${s.what.padEnd(28)} ${`${s.pages * 4} KiB`.padStart(10)} ${`${s.left * 4} KiB`.padStart(14)} ${`${(s.us / 1000).toFixed(2)} ms`.padStart(13)} ${`${(s.held / 1000).toFixed(2)} ms`.padStart(11)}`,
-    );
-  // What an idle child holds (before that step's reclaim): classified now.
+  console.log(`  ${'step'.padEnd(28)} ${'private'.padStart(10)} ${'from the pattern'.padStart(17)} ${'passes'.padStart(7)}`);
+  for (const r of rows) console.log(`  ${r.what.padEnd(28)} ${`${r.priv} KiB`.padStart(10)} ${`${r.pattern} KiB`.padStart(17)} ${String(r.passes).padStart(7)}`);
+  if (layer) console.log(`  the pattern file: ${layer.pageCount * 4} KiB in ${layer.runCount} runs, one copy for every child of the template`);
+  // Each run mapped from the pattern splits the RAM mapping: what that costs the host (VMAs).
+  console.log(`  mappings of this process (2 children): ${readFileSync('/proc/self/maps', 'utf8').trim().split('\n').length}`);
+  // What an idle child holds: classified now.
   const r = await sb.agent.exec(['python3', '-c', CLASSIFY], { stdin: new TextEncoder().encode(JSON.stringify(idle)) });
   if (r.exitCode !== 0) throw new Error(`classifying inside the guest failed: ${new TextDecoder().decode(r.stderr)}`);
   const kinds = JSON.parse(new TextDecoder().decode(r.stdout)) as Record<string, number>;
-  console.log(`  of the pages private at "idle 10 s later", ${alike * 4} KiB hold what a sibling with the same history holds at the same address, ${(idle.length - alike) * 4} KiB differ`);
-  console.log('  what the pages private at "idle 10 s later" hold (guest /proc/kpageflags, /proc/iomem):');
+  console.log(`  of the pages private at "idle 8 s later", ${alike * 4} KiB hold what a sibling with the same history holds at the same address, ${(idle.length - alike) * 4} KiB differ`);
+  console.log('  what the pages private at "idle 8 s later" hold (guest /proc/kpageflags, /proc/iomem):');
   for (const [k, n] of Object.entries(kinds).sort((a, b) => b[1] - a[1])) console.log(`    ${k.padEnd(46)} ${String(n * 4).padStart(6)} KiB`);
   await Promise.all([sb.kill(), sibling!.kill()]);
 } finally {

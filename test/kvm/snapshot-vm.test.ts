@@ -382,6 +382,101 @@ restoreTest("reclaim: pages written back to the snapshot's bytes are given back,
   }
 });
 
+restoreTest("pattern: a child's runs that hold a hidden sibling's bytes are mapped from them; bytes, siblings and branches stay intact", async () => {
+  const made: Tiny[] = [];
+  const make = (o: ConstructorParameters<typeof Tiny>[0]) => {
+    const t = new Tiny(o);
+    live.push(t);
+    made.push(t);
+    return t;
+  };
+  try {
+    const frames = (t: Tiny) => [...t.vm.memoryUsage({ frames: true }).privateFrames!];
+    const fill = (b: number) => Buffer.alloc(4096, b);
+    const spec = s.loadTemplate(tpl, 'template tiny');
+    // What every child writes alike (0x310000-0x311fff, 0x313000, 0x320000) and one page each its own (0x330000).
+    const alike: [number, Buffer][] = [
+      [0x310000, fill(0x77)],
+      [0x311000, fill(0x77)],
+      [0x313000, fill(0x78)],
+      [0x320000, fill(0x66)],
+    ];
+    const p = make({ restore: spec });
+    await p.more(1);
+    const templateBytes = p.vm.guestBytes(0x311000, 4096);
+    for (const [a, b] of alike) p.vm.writeGuestBytes(a, b);
+    p.vm.writeGuestBytes(0x330000, fill(0x55));
+    const pattern = p.vm.capturePattern(dir);
+    // Its private pages, and 0x312000 (a gap of one page) with its bytes there.
+    assert.ok(pattern.pageCount >= 6, `${pattern.pageCount} pages in the pattern`);
+    p.vm.kill();
+
+    const c = make({ restore: spec });
+    const e = make({ restore: spec });
+    await Promise.all([c.more(1), e.more(1)]);
+    for (const t of [c, e]) {
+      for (const [a, b] of alike) t.vm.writeGuestBytes(a, b);
+      t.vm.writeGuestBytes(0x330000, fill(0x44));
+      t.vm.setPattern(pattern);
+    }
+    assert.throws(() => c.vm.setPattern(pattern), /has a pattern already/);
+    assert.is(c.vm.memoryUsage().guestPatternBytes, 0);
+    const rc = c.vm.reclaim();
+    assert.ok(rc.patternPages >= 4, `${rc.patternPages} private pages mapped from the pattern`);
+    let now = frames(c);
+    for (const [a, b] of alike) {
+      assert.not.ok(now.includes(a / 4096), `frame ${(a / 4096).toString(16)} mapped from the pattern`);
+      assert.equal(c.vm.guestBytes(a, 4096), b);
+    }
+    assert.ok(now.includes(0x330), 'a page that differs from the pattern stays private');
+    assert.equal(c.vm.guestBytes(0x330000, 4096), fill(0x44));
+    assert.ok(c.vm.memoryUsage().guestPatternBytes >= 5 * 4096, 'the filled gap is mapped with its run');
+    const n = await c.more(1);
+    assert.ok((await c.more(1)) > n, 'the guest goes on counting');
+
+    // A page mapped from the pattern and written is private again; written back to the
+    // pattern's bytes it is given back. One written to the template's bytes must stay
+    // private: dropped, it would read the pattern's.
+    c.vm.writeGuestBytes(0x310000, fill(0x99));
+    assert.ok(frames(c).includes(0x310));
+    c.vm.writeGuestBytes(0x310000, fill(0x77));
+    c.vm.writeGuestBytes(0x311000, templateBytes);
+    c.vm.reclaim();
+    now = frames(c);
+    assert.not.ok(now.includes(0x310));
+    assert.equal(c.vm.guestBytes(0x310000, 4096), fill(0x77));
+    assert.ok(now.includes(0x311), "a pattern page written to the template's bytes stays private");
+    assert.equal(c.vm.guestBytes(0x311000, 4096), templateBytes);
+
+    // A sibling mapping the same pattern does not see c's writes.
+    assert.ok(e.vm.reclaim().patternPages >= 4);
+    c.vm.writeGuestBytes(0x320000, fill(0x11));
+    assert.equal(e.vm.guestBytes(0x320000, 4096), fill(0x66));
+    assert.equal(e.vm.guestBytes(0x311000, 4096), fill(0x77));
+    c.vm.writeGuestBytes(0x320000, fill(0x66));
+
+    // A branch of c copies what c maps from the pattern (0x313000 is not private in c).
+    assert.not.ok(frames(c).includes(0x313));
+    const b = c.vm.branch(dir);
+    const d = make({ restore: b.snapshot });
+    await d.more(1);
+    const want: [number, Buffer][] = [
+      [0x310000, fill(0x77)],
+      [0x311000, templateBytes],
+      [0x312000, c.vm.guestBytes(0x312000, 4096)],
+      [0x313000, fill(0x78)],
+      [0x320000, fill(0x66)],
+      [0x330000, fill(0x44)],
+    ];
+    for (const [a, bytes] of want) assert.equal(d.vm.guestBytes(a, 4096), bytes, `branch child at ${a.toString(16)}`);
+    const m = await d.more(1);
+    assert.ok((await d.more(1)) > m);
+    console.log(`    pattern: ${pattern.pageCount} pages; a child mapped ${rc.patternPages} private pages from it in ${rc.totalUs.toFixed(0)} µs (vCPUs held ${rc.pauseUs.toFixed(0)} µs)`);
+  } finally {
+    for (const t of made) t.vm.kill();
+  }
+});
+
 restoreTest('killing children frees their memory: no mapping of the memory file is left', async () => {
   const memPath = join(tpl, 'memory.bin');
   const spec = s.loadTemplate(tpl, 'template tiny');

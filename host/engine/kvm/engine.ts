@@ -7,9 +7,10 @@ import { kvmHostProblem } from '../../doctor/kvm-probe.ts';
 import { UserError } from '../../errors.ts';
 import { ensureImage, type ImageInfo } from '../../images.ts';
 import type { BootOptions, Engine, Sandbox, TemplateInfo, TemplateOptions } from '../engine.ts';
-import { type BranchFigures, branchChildren } from './branch.ts';
+import { type BranchFigures, branchChildren, diffDir } from './branch.ts';
 import { kernelCmdline } from './cmdline.ts';
 import { startChildren } from './fork.ts';
+import { Patterns, type PatternSource } from './pattern.ts';
 import { createKvmTemplate, loadTemplate, templateExists } from './template.ts';
 import { KvmSandbox } from './vm.ts';
 
@@ -70,6 +71,11 @@ export interface KvmEngineOptions {
    * RECLAIM_IDLE_MS; 0: never). See KvmSandbox.reclaim.
    */
   reclaimIdleMs?: number;
+  /**
+   * Children of a template map what they hold alike from its pattern at
+   * their reclaim passes (pattern.ts; default true).
+   */
+  pattern?: boolean;
 }
 
 /** Idle time before a child's first reclaim pass. */
@@ -155,8 +161,29 @@ export class KvmEngine implements Engine {
 
   async fork(template: string, n: number): Promise<KvmSandbox[]> {
     this.checkOpen();
-    const { snapshot } = await this.loaded(template);
-    return this.track(await startChildren(snapshot, n, { prefix: 'vm', readyTimeoutMs: this.opts.childReadyTimeoutMs }));
+    const { info, snapshot } = await this.loaded(template);
+    const children = await this.track(await startChildren(snapshot, n, { prefix: 'vm', readyTimeoutMs: this.opts.childReadyTimeoutMs }));
+    const idleMs = this.reclaimIdleMs();
+    if (idleMs > 0 && this.opts.pattern !== false) this.patterns.attach(template, info.createdAt, snapshot, children, idleMs);
+    return children;
+  }
+
+  /** What the children of each template share through its pattern (pattern.ts). */
+  private readonly patterns = new Patterns({
+    fork: async (snapshot) => {
+      const [sb] = await this.adopt(await startChildren(snapshot, 1, { prefix: 'pattern', readyTimeoutMs: this.opts.childReadyTimeoutMs }));
+      return sb!;
+    },
+    dir: diffDir,
+  });
+
+  /** The pattern of a template this engine forked from (benchmarks, diagnostics). */
+  patternOf(template: string): PatternSource | undefined {
+    return this.patterns.of(template);
+  }
+
+  private reclaimIdleMs(): number {
+    return this.opts.reclaimIdleMs ?? defaultReclaimIdleMs();
   }
 
   /** Sandboxes made by a call that began before close(): killed, not kept; else live. */
@@ -196,7 +223,7 @@ export class KvmEngine implements Engine {
 
   private async track(children: KvmSandbox[]): Promise<KvmSandbox[]> {
     await this.adopt(children);
-    for (const c of children) c.reclaimWhenIdle(this.opts.reclaimIdleMs ?? defaultReclaimIdleMs());
+    for (const c of children) c.reclaimWhenIdle(this.reclaimIdleMs());
     return children;
   }
 

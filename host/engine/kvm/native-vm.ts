@@ -1,5 +1,6 @@
 // The addon's in-process VMM (native/src/vmm_binding.cc), typed.
 import { native } from '../../native.ts';
+import type { DiffLayerHandle } from './snapshot-native.ts';
 
 export interface NativeVmOptions {
   /** bzImage or vmlinux ELF */
@@ -97,7 +98,14 @@ export interface NativeVm {
   branch(dir: string): NativeBranch;
   /** Guest RAM pages this VM owns alone (private) and shares with the page cache. */
   /** With `frames`, also the guest frame numbers (gpa >> 12) of the pages the VM owns privately (a restored VM). */
-  memoryUsage(opts?: { frames?: boolean }): { guestPrivateBytes: number; guestSharedBytes: number; guestMemfdBytes: number; privateFrames?: Float64Array };
+  memoryUsage(opts?: { frames?: boolean }): {
+    guestPrivateBytes: number;
+    guestSharedBytes: number;
+    guestMemfdBytes: number;
+    /** Pages mapped from its pattern (setPattern), written since or not. */
+    guestPatternBytes: number;
+    privateFrames?: Float64Array;
+  };
   /**
    * A restored VM: drops its private pages that hold the snapshot's bytes
    * again (they fall back to the shared memory file or diff layer; the guest
@@ -105,6 +113,13 @@ export interface NativeVm {
    * from RAM page `fromPage` on, at most `maxPages` of them (default: all).
    */
   reclaim(opts?: { fromPage?: number; maxPages?: number }): NativeReclaim;
+  /**
+   * A restored VM: its private pages (and small gaps between them) as a
+   * pattern, an unlinked diff file in `dir`, for its siblings (vmm/snapshot/pattern.h).
+   */
+  capturePattern(dir: string): DiffLayerHandle;
+  /** A restored VM, once: reclaim maps runs that hold this pattern's bytes from it. */
+  setPattern(pattern: DiffLayerHandle): void;
   /** Test and diagnostics only: a copy of guest RAM at a guest physical address. */
   guestBytes(gpa: number, length: number): Buffer;
   /** Test and diagnostics only: writes guest RAM from the host side. */
@@ -118,6 +133,8 @@ export interface NativeReclaim {
   nextPage: number | null;
   /** Pages given back (shared with the page cache again). */
   droppedPages: number;
+  /** Pages that held the pattern's bytes, now mapped from it (shared). */
+  patternPages: number;
   /** vCPUs held, in all and at most at once. */
   pauseUs: number;
   longestPauseUs: number;

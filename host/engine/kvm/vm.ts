@@ -10,6 +10,7 @@ import { type AgentClient, AgentError, answeredWithin } from '../../agent/client
 import { UserError } from '../../errors.ts';
 import type { ExitInfo, Sandbox, SandboxStats } from '../engine.ts';
 import { type NativePreparedVm, type NativeSnapshot, type NativeVm, type NativeVmEvent, nativeVmClass } from './native-vm.ts';
+import type { PatternSource } from './pattern.ts';
 import { connectAgent, VsockConnectError } from './vsock.ts';
 
 export const AGENT_PORT = 1024;
@@ -78,6 +79,8 @@ const RECLAIM_SLICE_PAGES = 4096;
 export interface ReclaimFigures {
   privatePages: number;
   droppedPages: number;
+  /** Private pages now mapped from the template's pattern (pattern.ts). */
+  patternPages: number;
   totalUs: number;
   longestPauseUs: number;
 }
@@ -167,7 +170,24 @@ export class KvmSandbox implements Sandbox {
   /** The pass running now (one at a time). */
   private reclaiming: Promise<unknown> | null = null;
   /** Reclaim passes so far and the pages they gave back; why idle passes stopped, if they failed. */
-  readonly reclaimed: { passes: number; pages: number; failed?: string } = { passes: 0, pages: 0 };
+  readonly reclaimed: { passes: number; pages: number; patternPages: number; failed?: string } = { passes: 0, pages: 0, patternPages: 0 };
+
+  /** The pattern of this child's template (pattern.ts), set on the VM once built. */
+  private pattern: PatternSource | null = null;
+  private patternSet = false;
+
+  /** Maps runs that hold the pattern's bytes from it at reclaim passes, once it is built. */
+  usePattern(p: PatternSource): void {
+    this.pattern = p;
+  }
+
+  /** The pattern was built (or failed): an idle child runs a pass now rather than at its next idle time. */
+  patternReady(): void {
+    if (this.pattern?.layer && this.reclaimIdleMs > 0 && !this.reclaimTimer && !this.reclaiming && this.client?.inFlight === 0) {
+      this.reclaimDelayMs = 0;
+      this.armReclaim();
+    }
+  }
 
   /** Reclaims `idleMs` after the agent last went idle (0: never). */
   reclaimWhenIdle(idleMs: number): void {
@@ -214,11 +234,16 @@ export class KvmSandbox implements Sandbox {
 
   private async reclaimSlices(stop?: () => boolean): Promise<ReclaimFigures> {
     if (!this.spec.restore) throw new UserError(`sandbox ${this.id} was booted, not forked: it has no template to give pages back to`);
-    const f: ReclaimFigures = { privatePages: 0, droppedPages: 0, totalUs: 0, longestPauseUs: 0 };
+    const f: ReclaimFigures = { privatePages: 0, droppedPages: 0, patternPages: 0, totalUs: 0, longestPauseUs: 0 };
+    if (this.vm && this.pattern?.layer && !this.patternSet) {
+      this.vm.setPattern(this.pattern.layer);
+      this.patternSet = true;
+    }
     for (let at: number | null = 0; at !== null && this.vm && !stop?.(); ) {
       const r = this.vm.reclaim({ fromPage: at, maxPages: RECLAIM_SLICE_PAGES });
       f.privatePages += r.privatePages;
       f.droppedPages += r.droppedPages;
+      f.patternPages += r.patternPages;
       f.totalUs += r.totalUs;
       f.longestPauseUs = Math.max(f.longestPauseUs, r.longestPauseUs);
       at = r.nextPage;
@@ -226,7 +251,8 @@ export class KvmSandbox implements Sandbox {
     }
     this.reclaimed.passes++;
     this.reclaimed.pages += f.droppedPages;
-    const little = f.droppedPages * 16 < f.privatePages;
+    this.reclaimed.patternPages += f.patternPages;
+    const little = (f.droppedPages + f.patternPages) * 16 < f.privatePages;
     this.reclaimDelayMs = little ? Math.min(this.reclaimDelayMs * 2, 60_000) : this.reclaimIdleMs;
     return f;
   }
@@ -407,6 +433,7 @@ export class KvmSandbox implements Sandbox {
           guestSharedKiB: m.guestSharedBytes / 1024,
           reclaimPasses: this.reclaimed.passes,
           reclaimedKiB: this.reclaimed.pages * 4,
+          patternKiB: m.guestPatternBytes / 1024,
         },
       };
     }

@@ -1,0 +1,89 @@
+// The pattern of a template (native/src/vmm/snapshot/pattern.h): once per
+// template and process, a hidden child gets a child's first request, goes
+// idle as long as a child does before its first reclaim pass, gives back
+// what it can, and its private pages become a file. Every child of the
+// template then maps from that file, at its reclaim passes, the runs of
+// pages that hold the same bytes: one copy in the page cache instead of one
+// per child. Built after the first fork, in the background; a child forked
+// before it is ready gets it at its next pass.
+import type { NativeSnapshot } from './native-vm.ts';
+import type { DiffLayerHandle } from './snapshot-native.ts';
+import type { KvmSandbox } from './vm.ts';
+
+/** The hidden child's request: what the template's rehearsal sends too (template.ts). */
+export const PATTERN_EVAL = '1 + 1';
+
+export interface PatternSource {
+  /** The pattern file, once built (null until then, or if it failed). */
+  readonly layer: DiffLayerHandle | null;
+  /** Why building it failed. */
+  readonly failed?: string;
+}
+
+class TemplatePattern implements PatternSource {
+  layer: DiffLayerHandle | null = null;
+  failed?: string;
+  /** Children waiting for it: they run a pass once it is ready. */
+  readonly waiting = new Set<KvmSandbox>();
+  constructor(readonly key: string) {}
+}
+
+export interface PatternBuild {
+  /** Forks the hidden child (one, ready). */
+  fork(snapshot: NativeSnapshot): Promise<KvmSandbox>;
+  /** Where the pattern file goes (an unlinked file there). */
+  dir(): string;
+}
+
+/** The patterns of the templates this process forked from: one per template name, the newest version. */
+export class Patterns {
+  private readonly byName = new Map<string, TemplatePattern>();
+
+  constructor(private readonly build: PatternBuild) {}
+
+  /**
+   * The pattern of `name` as created at `createdAt` for `children`, built if
+   * it is not yet (after `idleMs`, as children wait before a pass).
+   */
+  attach(name: string, createdAt: string, snapshot: NativeSnapshot, children: KvmSandbox[], idleMs: number): void {
+    const key = `${name}\0${createdAt}`;
+    let p = this.byName.get(name);
+    if (!p || p.key !== key) {
+      // A template made again: its old pattern goes (children that map it keep it alive).
+      p = new TemplatePattern(key);
+      this.byName.set(name, p);
+      void this.make(p, snapshot, idleMs);
+    }
+    for (const c of children) {
+      c.usePattern(p);
+      if (!p.layer && !p.failed) {
+        p.waiting.add(c);
+        void c.exited.then(() => p.waiting.delete(c));
+      }
+    }
+  }
+
+  /** The pattern of `name` now (diagnostics and benchmarks). */
+  of(name: string): PatternSource | undefined {
+    return this.byName.get(name);
+  }
+
+  private async make(p: TemplatePattern, snapshot: NativeSnapshot, idleMs: number): Promise<void> {
+    let sb: KvmSandbox | null = null;
+    try {
+      sb = await this.build.fork(snapshot);
+      const r = await sb.agent.eval(PATTERN_EVAL);
+      if (r.exception) throw new Error(`its eval failed: ${r.exception.type}: ${r.exception.message}`);
+      // Idle as long as a child before its first pass, then what a pass gives back is given back.
+      await new Promise((res) => setTimeout(res, idleMs));
+      await sb.reclaim();
+      p.layer = sb.nativeVm().capturePattern(this.build.dir());
+    } catch (e) {
+      p.failed = (e as Error).message;
+    } finally {
+      await sb?.kill();
+    }
+    for (const c of p.waiting) c.patternReady();
+    p.waiting.clear();
+  }
+}
