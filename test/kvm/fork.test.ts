@@ -170,6 +170,45 @@ notInLab('reclaim: a child gives back the pages it wrote back to the template; i
   }
 });
 
+// In the lab too: the children's passes and the pattern's mappings are asked for here (the
+// lab's default has no idle passes: defaultReclaimIdleMs).
+labTest("pattern: idle children map what they hold alike from their template's pattern; each keeps its own state, and so does a branch", async () => {
+  const e = new KvmEngine({ reclaimIdleMs: 300 });
+  try {
+    const [a, b] = await e.fork(NAME, 2);
+    assert.is((await a!.agent.eval('MINE = "a"; WARM')).value, 'warm-42');
+    assert.is((await b!.agent.eval('MINE = "b"; WARM')).value, 'warm-42');
+    // The pattern is built after the fork by a hidden child; idle children then run a pass with it.
+    const deadline = Date.now() + 300_000;
+    const wait = async (what: string, ok: () => boolean) => {
+      while (!ok()) {
+        assert.ok(Date.now() < deadline, `${what}: not in time`);
+        await new Promise((res) => setTimeout(res, 100));
+      }
+    };
+    await wait('the pattern', () => !!e.patternOf(NAME)?.layer || !!e.patternOf(NAME)?.failed);
+    assert.is(e.patternOf(NAME)?.failed, undefined);
+    await wait('a pass with the pattern', () => (a!.reclaimed.patternPages > 0 && b!.reclaimed.patternPages > 0) || !!a!.reclaimed.failed || !!b!.reclaimed.failed);
+    assert.is(a!.reclaimed.failed, undefined);
+    const s = await a!.stats();
+    assert.ok(s.counters.patternKiB! > 0, `${s.counters.patternKiB} KiB mapped from the pattern`);
+    // Each child goes on with its own state, and computes right.
+    const want = execFileSync('/usr/bin/python3', ['-c', 'import hashlib; print(hashlib.sha256(bytes(range(256)) * 4096).hexdigest())']).toString().trim();
+    for (const [k, mine] of [
+      [a!, 'a'],
+      [b!, 'b'],
+    ] as const) {
+      assert.equal((await k.agent.eval('import hashlib; (MINE, WARM, hashlib.sha256(bytes(range(256)) * 4096).hexdigest())')).value, [mine, 'warm-42', want]);
+    }
+    // A branch of a child that maps the pattern continues from it.
+    const [c] = await e.branch(a!, 1);
+    assert.equal((await c!.agent.eval('(MINE, WARM)')).value, ['a', 'warm-42']);
+    console.log(`    pattern: ${(e.patternOf(NAME)?.layer?.pageCount ?? 0) * 4} KiB; an idle child maps ${s.counters.patternKiB} KiB from it, holds ${s.counters.guestPrivateKiB} KiB of guest memory alone`);
+  } finally {
+    await e.close();
+  }
+});
+
 test('a corrupted state file or memory file is refused', async () => {
   const bad = `${NAME}-bad`;
   const dir = templateDir(bad);
