@@ -120,16 +120,21 @@ Napi::Value WrapLayer(Napi::Env env, LayerRef layer) {
   return o;
 }
 
+// The layer inside a value made by WrapLayer; throws `usage` for anything
+// else (a snapshot's handle is an External too: told apart by its fields).
+LayerRef LayerOf(Napi::Value v, const char* usage) {
+  if (!v.IsObject()) throw std::invalid_argument(usage);
+  Napi::Object o = v.As<Napi::Object>();
+  if (!o.Get("handle").IsExternal() || !o.Get("pageCount").IsNumber() || !o.Get("runCount").IsNumber() || o.Has("what"))
+    throw std::invalid_argument(usage);
+  return *o.Get("handle").As<Napi::External<LayerRef>>().Data();
+}
+
 std::vector<LayerRef> Chain(Napi::Value v) {
   if (!v.IsArray()) throw std::invalid_argument("chain must be an array of diff layers");
   auto a = v.As<Napi::Array>();
   std::vector<LayerRef> out;
-  for (uint32_t i = 0; i < a.Length(); i++) {
-    Napi::Value x = a.Get(i);
-    if (!x.IsObject() || !x.As<Napi::Object>().Get("handle").IsExternal())
-      throw std::invalid_argument("chain must be an array of diff layers");
-    out.push_back(*x.As<Napi::Object>().Get("handle").As<Napi::External<LayerRef>>().Data());
-  }
+  for (uint32_t i = 0; i < a.Length(); i++) out.push_back(LayerOf(a.Get(i), "chain must be an array of diff layers"));
   return out;
 }
 
@@ -332,9 +337,7 @@ Napi::Value VmCapturePattern(const Napi::CallbackInfo& info, vmm::Vm& vm) {
 
 Napi::Value VmSetPattern(const Napi::CallbackInfo& info, vmm::Vm& vm) {
   return Guard(info.Env(), [&]() -> Napi::Value {
-    Napi::Value h = info[0].IsObject() ? info[0].As<Napi::Object>().Get("handle") : info.Env().Undefined();
-    if (!h.IsExternal()) throw std::invalid_argument("setPattern(layer): a layer from capturePattern");
-    vm.SetPattern(*h.As<Napi::External<LayerRef>>().Data());
+    vm.SetPattern(LayerOf(info[0], "setPattern(layer): a layer from capturePattern"));
     return info.Env().Undefined();
   });
 }

@@ -190,6 +190,7 @@ labTest("pattern: idle children map what they hold alike from their template's p
     assert.is(e.patternOf(NAME)?.failed, undefined);
     await wait('a pass with the pattern', () => (a!.reclaimed.patternPages > 0 && b!.reclaimed.patternPages > 0) || !!a!.reclaimed.failed || !!b!.reclaimed.failed);
     assert.is(a!.reclaimed.failed, undefined);
+    assert.is(b!.reclaimed.failed, undefined);
     const s = await a!.stats();
     assert.ok(s.counters.patternKiB! > 0, `${s.counters.patternKiB} KiB mapped from the pattern`);
     // Each child goes on with its own state, and computes right.

@@ -413,8 +413,10 @@ restoreTest("pattern: a child's runs that hold a hidden sibling's bytes are mapp
 
     const c = make({ restore: spec });
     const e = make({ restore: spec });
-    await Promise.all([c.more(1), e.more(1)]);
-    for (const t of [c, e]) {
+    const g = make({ restore: spec });
+    await Promise.all([c.more(1), e.more(1), g.more(1)]);
+    assert.throws(() => c.vm.setPattern(spec as never), /a layer from capturePattern/);
+    for (const t of [c, e, g]) {
       for (const [a, b] of alike) t.vm.writeGuestBytes(a, b);
       t.vm.writeGuestBytes(0x330000, fill(0x44));
       t.vm.setPattern(pattern);
@@ -430,7 +432,20 @@ restoreTest("pattern: a child's runs that hold a hidden sibling's bytes are mapp
     }
     assert.ok(now.includes(0x330), 'a page that differs from the pattern stays private');
     assert.equal(c.vm.guestBytes(0x330000, 4096), fill(0x44));
-    assert.ok(c.vm.memoryUsage().guestPatternBytes >= 5 * 4096, 'the filled gap is mapped with its run');
+    assert.ok(c.vm.memoryUsage().guestPatternBytes >= 5 * 4096, `${c.vm.memoryUsage().guestPatternBytes} bytes mapped from the pattern`);
+    // In slices of one private page, as an event loop would go: a run cut by a slice's edge is mapped in pieces.
+    let sliced = 0;
+    for (let at: number | null = 0; at !== null; ) {
+      const r1 = g.vm.reclaim({ fromPage: at, maxPages: 1 });
+      sliced += r1.patternPages;
+      at = r1.nextPage;
+    }
+    assert.ok(sliced >= 4, `${sliced} private pages mapped from the pattern in slices`);
+    const gNow = frames(g);
+    for (const [a, bytes] of alike) {
+      assert.not.ok(gNow.includes(a / 4096), `frame ${(a / 4096).toString(16)} mapped from the pattern in slices`);
+      assert.equal(g.vm.guestBytes(a, 4096), bytes);
+    }
     const n = await c.more(1);
     assert.ok((await c.more(1)) > n, 'the guest goes on counting');
 
@@ -460,6 +475,7 @@ restoreTest("pattern: a child's runs that hold a hidden sibling's bytes are mapp
     const b = c.vm.branch(dir);
     const d = make({ restore: b.snapshot });
     await d.more(1);
+    assert.throws(() => d.vm.setPattern(pattern), /not a branch/);
     const want: [number, Buffer][] = [
       [0x310000, fill(0x77)],
       [0x311000, templateBytes],

@@ -229,6 +229,7 @@ export class KvmEngine implements Engine {
 
   async close(): Promise<void> {
     this.closed = true;
+    this.patterns.clear();
     await Promise.all([...this.live].map((s) => s.kill()));
     this.live.clear();
   }

@@ -1,5 +1,5 @@
 // The pattern of a template (native/src/vmm/snapshot/pattern.h): once per
-// template and process, a hidden child gets a child's first request, goes
+// template and engine, a hidden child gets a child's first request, goes
 // idle as long as a child does before its first reclaim pass, gives back
 // what it can, and its private pages become a file. Every child of the
 // template then maps from that file, at its reclaim passes, the runs of
@@ -12,6 +12,10 @@ import type { KvmSandbox } from './vm.ts';
 
 /** The hidden child's request: what the template's rehearsal sends too (template.ts). */
 export const PATTERN_EVAL = '1 + 1';
+/** A hidden child that does not answer within this is given up (and killed). */
+const PATTERN_EVAL_TIMEOUT_MS = 30_000;
+/** A pattern that failed is built again at a fork this much later, not before. */
+const RETRY_AFTER_MS = 60_000;
 
 export interface PatternSource {
   /** The pattern file, once built (null until then, or if it failed). */
@@ -23,6 +27,7 @@ export interface PatternSource {
 class TemplatePattern implements PatternSource {
   layer: DiffLayerHandle | null = null;
   failed?: string;
+  failedAt = 0;
   /** Children waiting for it: they run a pass once it is ready. */
   readonly waiting = new Set<KvmSandbox>();
   constructor(readonly key: string) {}
@@ -48,7 +53,7 @@ export class Patterns {
   attach(name: string, createdAt: string, snapshot: NativeSnapshot, children: KvmSandbox[], idleMs: number): void {
     const key = `${name}\0${createdAt}`;
     let p = this.byName.get(name);
-    if (!p || p.key !== key) {
+    if (!p || p.key !== key || (p.failed && Date.now() - p.failedAt > RETRY_AFTER_MS)) {
       // A template made again: its old pattern goes (children that map it keep it alive).
       p = new TemplatePattern(key);
       this.byName.set(name, p);
@@ -68,20 +73,26 @@ export class Patterns {
     return this.byName.get(name);
   }
 
+  /** Forgets every pattern (their files go with the last child that maps them). */
+  clear(): void {
+    this.byName.clear();
+  }
+
   private async make(p: TemplatePattern, snapshot: NativeSnapshot, idleMs: number): Promise<void> {
     let sb: KvmSandbox | null = null;
     try {
       sb = await this.build.fork(snapshot);
-      const r = await sb.agent.eval(PATTERN_EVAL);
+      const r = await sb.agent.eval(PATTERN_EVAL, { timeoutMs: PATTERN_EVAL_TIMEOUT_MS });
       if (r.exception) throw new Error(`its eval failed: ${r.exception.type}: ${r.exception.message}`);
       // Idle as long as a child before its first pass, then what a pass gives back is given back.
-      await new Promise((res) => setTimeout(res, idleMs));
+      await new Promise((res) => setTimeout(res, idleMs).unref());
       await sb.reclaim();
       p.layer = sb.nativeVm().capturePattern(this.build.dir());
     } catch (e) {
       p.failed = (e as Error).message;
+      p.failedAt = Date.now();
     } finally {
-      await sb?.kill();
+      await sb?.kill().catch(() => {});
     }
     for (const c of p.waiting) c.patternReady();
     p.waiting.clear();

@@ -181,12 +181,12 @@ export class KvmSandbox implements Sandbox {
     this.pattern = p;
   }
 
-  /** The pattern was built (or failed): an idle child runs a pass now rather than at its next idle time. */
+  /**
+   * The pattern was built: an idle child runs a pass with it now rather than
+   * at its next idle time (a pass armed or running sees to it at its end).
+   */
   patternReady(): void {
-    if (this.pattern?.layer && this.reclaimIdleMs > 0 && !this.reclaimTimer && !this.reclaiming && this.client?.inFlight === 0) {
-      this.reclaimDelayMs = 0;
-      this.armReclaim();
-    }
+    if (this.pattern?.layer && this.reclaimIdleMs > 0 && !this.reclaimTimer && !this.reclaiming && this.client?.inFlight === 0) this.armReclaim(0);
   }
 
   /** Reclaims `idleMs` after the agent last went idle (0: never). */
@@ -197,7 +197,7 @@ export class KvmSandbox implements Sandbox {
     this.armReclaim();
   }
 
-  private armReclaim(): void {
+  private armReclaim(delayMs = this.reclaimDelayMs): void {
     if (this.reclaimTimer) clearTimeout(this.reclaimTimer);
     this.reclaimTimer = null;
     if (!this.vm || this.reclaimed.failed) return;
@@ -212,8 +212,10 @@ export class KvmSandbox implements Sandbox {
         })
         .finally(() => {
           this.reclaiming = null;
+          // The pattern came while this pass ran without it: one more, at once.
+          if (this.pattern?.layer && !this.patternSet && this.client?.inFlight === 0) this.armReclaim(0);
         });
-    }, this.reclaimDelayMs);
+    }, delayMs);
     this.reclaimTimer.unref();
   }
 

@@ -149,6 +149,8 @@ class Vm {
   // The pattern this VM maps equal pages from at reclaim
   // (vmm/snapshot/pattern.h), set once; null until then.
   void SetPattern(std::shared_ptr<const snapshot::DiffLayer> layer);
+  // Stops the VM for a host-side failure ("error"), as a device model does.
+  void Fail(const std::string& message) { RequestStop("error", message); }
   snapshot::PatternBacking* pattern() const { return pattern_.get(); }
 
  private:

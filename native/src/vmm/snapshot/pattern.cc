@@ -20,6 +20,7 @@ PatternBacking::~PatternBacking() { g_process_maps -= maps_; }
 bool PatternBacking::Has(uint64_t page) const { return std::binary_search(pages_.begin(), pages_.end(), page); }
 
 size_t PatternBacking::MapsLeft() const {
+  if (exhausted_) return 0;
   const size_t process = g_process_maps.load();
   const size_t own = kPatternMapsPerVm - std::min(maps_, kPatternMapsPerVm);
   return std::min(own, kPatternMapsPerProcess - std::min(process, kPatternMapsPerProcess));

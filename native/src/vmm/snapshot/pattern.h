@@ -21,7 +21,10 @@
 //
 // Each mapped run costs up to two VMAs of this process (the kernel allows
 // 65530 by default): a VM maps at most kPatternMapsPerVm runs and all VMs of
-// the process together at most kPatternMapsPerProcess.
+// the process together at most kPatternMapsPerProcess; a VM whose mmap fails
+// (mostly that limit, reached with other mappings) maps no more. Only the
+// children of a template get a pattern (a page not mapped from it then falls
+// back to the memory file, which a failed mmap can restore).
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -58,11 +61,14 @@ class PatternBacking {
   size_t MapsLeft() const;
   // Records [first, first + count) as mapped from the pattern: one run.
   void Add(uint64_t first, uint64_t count);
+  // No more runs for this VM (an mmap failed: mostly the limit on mappings).
+  void Exhaust() { exhausted_ = true; }
 
  private:
   std::shared_ptr<const DiffLayer> layer_;
   std::vector<uint64_t> pages_;
   size_t maps_ = 0;
+  bool exhausted_ = false;
 };
 
 // Captures the private pages of a restored VM (and the pages it maps from a

@@ -100,14 +100,14 @@ uint64_t Ns(Clock::time_point a, Clock::time_point b) {
   return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count());
 }
 
-// Maps the pattern's runs that start in RAM pages [from, to) over the VM's
-// pages where these hold the pattern's bytes, if that shares at least one
-// private page (`priv`, sorted). Compared while the guest runs, then again
-// held still, as for dropping. Returns the pages now mapped from the pattern.
-std::vector<uint64_t> MapPattern(Vm& vm, PatternBacking& pb, const std::vector<uint64_t>& priv, uint64_t from, uint64_t to,
-                                 ReclaimResult& r) {
-  std::vector<uint64_t> mapped;
-  if (pb.MapsLeft() == 0) return mapped;
+// Maps the pattern's runs, within RAM pages [from, to), over the VM's pages
+// where these hold the pattern's bytes, if that shares at least one private
+// page (`priv`, sorted). Compared while the guest runs (a page not private is
+// the snapshot's: compared with that, not faulted into the mapping), then
+// again held still, as for dropping. Adds the pages now mapped from the
+// pattern to `mapped` and returns the page to go on from (`to`: done).
+uint64_t MapPattern(Vm& vm, PatternBacking& pb, const SnapshotPages& snap, const std::vector<uint64_t>& priv, uint64_t from,
+                    uint64_t to, ReclaimResult& r, std::vector<uint64_t>& mapped) {
   const DiffLayer& layer = pb.layer();
   const GuestRam& ram = vm.ram();
   const uint64_t ram_pages = ram.size() / kPage;
@@ -119,27 +119,36 @@ std::vector<uint64_t> MapPattern(Vm& vm, PatternBacking& pb, const std::vector<u
   };
   std::vector<Span> spans;
   // The pattern's bytes of every span page; not zero-filled: only the slots used are written.
-  std::unique_ptr<uint8_t[]> copies(new uint8_t[kChunkPages * kPage]);
+  std::unique_ptr<uint8_t[]> copies(new uint8_t[(kChunkPages + 1) * kPage]);
+  uint8_t* const snap_page = copies.get() + kChunkPages * kPage;
   size_t copied = 0;
+  uint64_t next = to;
   const std::vector<DiffRun>& runs = layer.runs();
-  auto it = std::lower_bound(runs.begin(), runs.end(), from, [](const DiffRun& x, uint64_t p) { return x.page < p; });
-  for (; it != runs.end() && it->page < to && copied < kChunkPages; ++it) {
-    const uint64_t end = std::min(it->page + it->count, ram_pages);
+  // The first run that ends after `from` (it may begin before: a window's edge cuts it).
+  auto it = std::upper_bound(runs.begin(), runs.end(), from, [](uint64_t p, const DiffRun& x) { return p < x.page + x.count; });
+  for (; it != runs.end() && it->page < to; ++it) {
+    const uint64_t first = std::max(it->page, from), end = std::min({it->page + it->count, to, ram_pages});
     bool any = false;  // a private page not from the pattern yet: only such a run can gain
-    for (auto q = std::lower_bound(priv.begin(), priv.end(), it->page); q != priv.end() && *q < end && !any; ++q)
-      any = !pb.Has(*q);
+    for (auto q = std::lower_bound(priv.begin(), priv.end(), first); q != priv.end() && *q < end && !any; ++q) any = !pb.Has(*q);
     if (!any) continue;
     Span cur;
-    auto close = [&] {
+    auto end_span = [&] {
       if (cur.gain) spans.push_back(cur);
       else copied -= cur.count;  // (the last pages copied)
       cur = Span();
     };
-    for (uint64_t p = it->page; p < end && copied < kChunkPages; p++) {
+    uint64_t p = first;
+    for (; p < end && copied < kChunkPages; p++) {
       uint8_t* c = copies.get() + copied * kPage;
-      if (!pb.Has(p)) layer.ReadPage(p, c);
-      if (pb.Has(p) || std::memcmp(ram.host() + p * kPage, c, kPage) != 0) {
-        close();
+      bool same = false;
+      if (!pb.Has(p)) {
+        layer.ReadPage(p, c);
+        const bool mine = is_priv(p);
+        if (mine) same = std::memcmp(ram.host() + p * kPage, c, kPage) == 0;
+        else same = snap.Read(p, snap_page) ? std::memcmp(snap_page, c, kPage) == 0 : IsZero(c);
+      }
+      if (!same) {
+        end_span();
         continue;
       }
       if (!cur.count) {
@@ -150,9 +159,13 @@ std::vector<uint64_t> MapPattern(Vm& vm, PatternBacking& pb, const std::vector<u
       copied++;
       cur.gain += is_priv(p);
     }
-    close();
+    end_span();
+    if (p < end) {  // the buffer is full: the next call goes on here
+      next = p;
+      break;
+    }
   }
-  if (spans.empty()) return mapped;
+  if (spans.empty()) return next;
   const size_t left = pb.MapsLeft();
   if (spans.size() > left) {  // the spans that share the most pages
     std::stable_sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.gain > b.gain; });
@@ -164,41 +177,61 @@ std::vector<uint64_t> MapPattern(Vm& vm, PatternBacking& pb, const std::vector<u
   if (vsock) vsock->Pause();
   const auto p0 = Clock::now();
   vm.Hold();
+  bool lost = false;  // a range could not be mapped again: the VM is stopped, its vsock loop stays held
   try {
+    const int base_fd = vm.origin()->memory_fd->get();
     for (const Span& s : spans) {
+      // Which pages are private now: a page that is not holds the snapshot's bytes, compared above.
+      const std::vector<uint64_t> now = PrivatePages(ram.host() + s.page * kPage, s.count * kPage);
       uint64_t start = 0, len = 0, gain = 0;
       auto map = [&] {
-        if (gain && pb.MapsLeft()) {
-          const DiffRun* run = layer.Find(start);
-          const off_t off = off_t(layer.data_offset() + (run->slot + start - run->page) * kPage);
-          uint8_t* at = ram.host() + start * kPage;
-          // Past the check on the VMA limit, MAP_FIXED fails only when the
-          // kernel is out of memory, and may have unmapped the range: the
-          // guest then faults there and its VM stops (no other VM is touched).
-          if (mmap(at, len * kPage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE, layer.fd(), off) == MAP_FAILED)
-            Fail("mmap a run of the pattern");
-          madvise(at, len * kPage, MADV_DONTDUMP);  // (as the rest of guest RAM; lets the VMAs merge)
+        if (!gain || !pb.MapsLeft()) {
+          len = gain = 0;
+          return;
+        }
+        const DiffRun* run = layer.Find(start);
+        const off_t off = off_t(layer.data_offset() + (run->slot + start - run->page) * kPage);
+        uint8_t* at = ram.host() + start * kPage;
+        const uint64_t bytes = len * kPage;
+        if (mmap(at, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE, layer.fd(), off) != MAP_FAILED) {
+          madvise(at, bytes, MADV_DONTDUMP);  // (as the rest of guest RAM; lets the VMAs merge)
           pb.Add(start, len);
           for (uint64_t i = 0; i < len; i++) mapped.push_back(start + i);
           r.pattern_pages += gain;
+        } else {
+          // Mostly the limit on mappings (the old mapping is then intact): no more runs for this VM.
+          pb.Exhaust();
+          std::vector<unsigned char> in(len);
+          if (mincore(at, bytes, in.data()) != 0 && errno == ENOMEM) {
+            // Out of memory after the kernel unmapped the range: the memory
+            // file there again, with the bytes the guest had (the pattern's).
+            if (mmap(at, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE, base_fd, off_t(start * kPage)) == MAP_FAILED) {
+              lost = true;
+              vm.Fail("its RAM could not be mapped again after a failed mmap of its pattern (the host is out of memory)");
+              Fail("mmap guest RAM again");
+            }
+            madvise(at, bytes, MADV_DONTDUMP);
+            std::memcpy(at, copies.get() + (s.copy + start - s.page) * kPage, bytes);
+          }
         }
         len = gain = 0;
       };
       for (uint64_t i = 0; i < s.count; i++) {
         const uint64_t p = s.page + i;
-        if (std::memcmp(ram.host() + p * kPage, copies.get() + (s.copy + i) * kPage, kPage) != 0) {
+        const bool mine = std::binary_search(now.begin(), now.end(), i);
+        if (mine && std::memcmp(ram.host() + p * kPage, copies.get() + (s.copy + i) * kPage, kPage) != 0) {
           map();
           continue;
         }
         if (!len) start = p;
         len++;
-        gain += is_priv(p);
+        gain += mine;
       }
       map();
     }
   } catch (...) {
     vm.Release();
-    if (vsock) vsock->Resume();
+    if (vsock && !lost) vsock->Resume();
     throw;
   }
   vm.Release();
@@ -206,7 +239,7 @@ std::vector<uint64_t> MapPattern(Vm& vm, PatternBacking& pb, const std::vector<u
   if (vsock) vsock->Resume();
   r.pause_ns += paused;
   r.longest_pause_ns = std::max(r.longest_pause_ns, paused);
-  return mapped;
+  return next;
 }
 
 }  // namespace
@@ -234,20 +267,23 @@ ReclaimResult Reclaim(Vm& vm, uint64_t from_page, uint64_t max_pages) {
     at += n;
   }
   r.private_pages = priv.size();
-  PatternBacking* pattern = vm.pattern();
-  if (pattern && !priv.empty()) {
-    std::vector<uint64_t> mapped = MapPattern(vm, *pattern, priv, from_page, r.done ? ram_pages : r.next_page, r);
-    if (!mapped.empty()) {
-      std::vector<uint64_t> rest;
-      std::set_difference(priv.begin(), priv.end(), mapped.begin(), mapped.end(), std::back_inserter(rest));
-      priv = std::move(rest);
-    }
-  }
   if (priv.empty()) {
     r.total_ns = ns(t0, Clock::now());
     return r;
   }
   SnapshotPages snap(*origin);
+  PatternBacking* pattern = vm.pattern();
+  if (pattern) {
+    std::vector<uint64_t> mapped;
+    const uint64_t to = r.done ? ram_pages : r.next_page;
+    for (uint64_t at = from_page; at < to && pattern->MapsLeft();) at = MapPattern(vm, *pattern, snap, priv, at, to, r, mapped);
+    if (!mapped.empty()) {
+      std::sort(mapped.begin(), mapped.end());
+      std::vector<uint64_t> rest;
+      std::set_difference(priv.begin(), priv.end(), mapped.begin(), mapped.end(), std::back_inserter(rest));
+      priv = std::move(rest);
+    }
+  }
 
   struct Candidate {
     uint64_t page;

@@ -8,8 +8,9 @@
 // then reads the page of the file it copied (memory file, or the diff layer
 // mapped there) again, which is byte for byte the same, so the guest cannot
 // tell. Pages are compared only with the VM's own snapshot (which every
-// child already shares), never with other sandboxes' memory, so unlike KSM
-// this opens no timing channel between sandboxes.
+// child already shares) and its template's pattern (a hidden child's memory,
+// made by the host), never with other sandboxes' memory, so unlike KSM this
+// opens no timing channel between sandboxes.
 //
 // A VM with a pattern (pattern.h) first maps the pattern's runs over its
 // pages where they hold the pattern's bytes, and compares a page mapped from

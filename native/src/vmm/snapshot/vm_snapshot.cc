@@ -150,7 +150,8 @@ std::vector<Section> Vm::SaveState() {
 }
 
 void Vm::SetPattern(std::shared_ptr<const DiffLayer> layer) {
-  if (!origin_ || !ram_.host() || ram_.shared()) throw std::runtime_error("only a VM restored from a snapshot can map a pattern");
+  if (!origin_ || !ram_.host() || ram_.shared() || !origin_->layers.empty())
+    throw std::runtime_error("only a VM restored from a template (not a branch) can map a pattern");
   if (pattern_) throw std::runtime_error("this VM has a pattern already");
   if (!layer || layer->ram_size() != ram_.size()) throw std::invalid_argument("the pattern is of a VM with another RAM size");
   pattern_ = std::make_shared<PatternBacking>(std::move(layer));
