@@ -106,6 +106,22 @@ function throwsCorrupt(fn: () => unknown, match: RegExp): void {
   assert.unreachable('expected the template to be refused');
 }
 
+/** The guest frames a VM owns privately. */
+const frames = (t: Tiny) => [...t.vm.memoryUsage({ frames: true }).privateFrames!];
+const fill = (b: number) => Buffer.alloc(4096, b);
+
+/** VMs of one test, to be killed however it ends (a live VM maps the memory file, which a later test counts). */
+function testVms(): { make: (o: ConstructorParameters<typeof Tiny>[0]) => Tiny; made: Tiny[] } {
+  const made: Tiny[] = [];
+  const make = (o: ConstructorParameters<typeof Tiny>[0]) => {
+    const t = new Tiny(o);
+    live.push(t);
+    made.push(t);
+    return t;
+  };
+  return { make, made };
+}
+
 const tpl = join(dir, 'tpl');
 /** Every VM made here, killed at the end whatever failed (a live VM keeps the process running). */
 const live: Tiny[] = [];
@@ -274,17 +290,8 @@ restoreTest('branch: chains to depth 9 continue their source; the source goes on
 });
 
 restoreTest("reclaim: pages written back to the snapshot's bytes are given back, the rest stay; branch layers count", async () => {
-  // Killed however the test ends: a live VM maps the memory file (the next test counts those).
-  const made: Tiny[] = [];
-  const make = (o: ConstructorParameters<typeof Tiny>[0]) => {
-    const t = new Tiny(o);
-    live.push(t);
-    made.push(t);
-    return t;
-  };
+  const { make, made } = testVms();
   try {
-    const frames = (t: Tiny) => [...t.vm.memoryUsage({ frames: true }).privateFrames!];
-    const fill = (b: number) => Buffer.alloc(4096, b);
     const c = make({ restore: s.loadTemplate(tpl, 'template tiny') });
     await c.more(1);
     // 0x302000 holds the template's pattern: written back unchanged. 0x900000 is a
@@ -383,16 +390,8 @@ restoreTest("reclaim: pages written back to the snapshot's bytes are given back,
 });
 
 restoreTest("pattern: a child's runs that hold a hidden sibling's bytes are mapped from them; bytes, siblings and branches stay intact", async () => {
-  const made: Tiny[] = [];
-  const make = (o: ConstructorParameters<typeof Tiny>[0]) => {
-    const t = new Tiny(o);
-    live.push(t);
-    made.push(t);
-    return t;
-  };
+  const { make, made } = testVms();
   try {
-    const frames = (t: Tiny) => [...t.vm.memoryUsage({ frames: true }).privateFrames!];
-    const fill = (b: number) => Buffer.alloc(4096, b);
     const spec = s.loadTemplate(tpl, 'template tiny');
     // What every child writes alike (0x310000-0x311fff, 0x313000, 0x320000) and one page each its own (0x330000).
     const alike: [number, Buffer][] = [
