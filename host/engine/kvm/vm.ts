@@ -169,8 +169,17 @@ export class KvmSandbox implements Sandbox {
   private reclaimDelayMs = 0;
   /** The pass running now (one at a time). */
   private reclaiming: Promise<unknown> | null = null;
-  /** Reclaim passes so far and the pages they gave back; why idle passes stopped, if they failed. */
-  readonly reclaimed: { passes: number; pages: number; patternPages: number; failed?: string } = { passes: 0, pages: 0, patternPages: 0 };
+  /**
+   * Reclaim passes so far and the pages they gave back, those with the
+   * template's pattern and the pages they mapped from it; why idle passes
+   * stopped, if they failed.
+   */
+  readonly reclaimed: { passes: number; pages: number; patternPasses: number; patternPages: number; failed?: string } = {
+    passes: 0,
+    pages: 0,
+    patternPasses: 0,
+    patternPages: 0,
+  };
 
   /** The pattern of this child's template (pattern.ts), set on the VM once built. */
   private pattern: PatternSource | null = null;
@@ -254,6 +263,7 @@ export class KvmSandbox implements Sandbox {
     this.reclaimed.passes++;
     this.reclaimed.pages += f.droppedPages;
     this.reclaimed.patternPages += f.patternPages;
+    if (this.patternSet) this.reclaimed.patternPasses++;
     const little = (f.droppedPages + f.patternPages) * 16 < f.privatePages;
     this.reclaimDelayMs = little ? Math.min(this.reclaimDelayMs * 2, 60_000) : this.reclaimIdleMs;
     return f;
