@@ -4,8 +4,9 @@
 // what it can, and its private pages become a file. Every child of the
 // template then maps from that file, at its reclaim passes, the runs of
 // pages that hold the same bytes: one copy in the page cache instead of one
-// per child. Built after the first fork, in the background; a child forked
-// before it is ready gets it at its next pass.
+// per child. Built in the background when a child of the template first
+// runs a pass (a one-shot fork whose children end before they idle builds
+// none); children get it at their next pass, an idle one at once.
 import type { NativeSnapshot } from './native-vm.ts';
 import type { DiffLayerHandle } from './snapshot-native.ts';
 import type { KvmSandbox } from './vm.ts';
@@ -22,15 +23,27 @@ export interface PatternSource {
   readonly layer: DiffLayerHandle | null;
   /** Why building it failed. */
   readonly failed?: string;
+  /** A child is about to run a pass: the pattern is built now if it is not yet (once). */
+  want(): void;
 }
 
 class TemplatePattern implements PatternSource {
   layer: DiffLayerHandle | null = null;
   failed?: string;
   failedAt = 0;
+  private started = false;
   /** Children waiting for it: they run a pass once it is ready. */
   readonly waiting = new Set<KvmSandbox>();
-  constructor(readonly key: string) {}
+  constructor(
+    readonly key: string,
+    private readonly build: () => void,
+  ) {}
+
+  want(): void {
+    if (this.started) return;
+    this.started = true;
+    this.build();
+  }
 }
 
 export interface PatternBuild {
@@ -55,15 +68,16 @@ export class Patterns {
     let p = this.byName.get(name);
     if (!p || p.key !== key || (p.failed && Date.now() - p.failedAt > RETRY_AFTER_MS)) {
       // A template made again: its old pattern goes (children that map it keep it alive).
-      p = new TemplatePattern(key);
+      const made: TemplatePattern = new TemplatePattern(key, () => void this.make(made, snapshot, idleMs));
+      p = made;
       this.byName.set(name, p);
-      void this.make(p, snapshot, idleMs);
     }
     for (const c of children) {
       c.usePattern(p);
       if (!p.layer && !p.failed) {
-        p.waiting.add(c);
-        void c.exited.then(() => p.waiting.delete(c));
+        const w = p;
+        w.waiting.add(c);
+        void c.exited.then(() => w.waiting.delete(c));
       }
     }
   }

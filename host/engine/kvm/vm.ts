@@ -246,6 +246,7 @@ export class KvmSandbox implements Sandbox {
   private async reclaimSlices(stop?: () => boolean): Promise<ReclaimFigures> {
     if (!this.spec.restore) throw new UserError(`sandbox ${this.id} was booted, not forked: it has no template to give pages back to`);
     const f: ReclaimFigures = { privatePages: 0, droppedPages: 0, patternPages: 0, totalUs: 0, longestPauseUs: 0 };
+    this.pattern?.want();
     if (this.vm && this.pattern?.layer && !this.patternSet) {
       this.vm.setPattern(this.pattern.layer);
       this.patternSet = true;
