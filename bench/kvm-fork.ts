@@ -1,7 +1,7 @@
 // Fork and BRANCH figures of the KVM engine, side by side with a cold boot of
 // the same guest, in one run on one template.
 //
-//   npx tsx bench/kvm-fork.ts [--guest tiny|linux] [--image default] [--print-shift 10] [--sizes 1,10,100]
+//   npx tsx bench/kvm-fork.ts [--guest tiny|linux] [--image default] [--print-shift 10] [--sizes 1,10,100] [--no-pattern]
 //
 // In the lab a Linux fork of 100 rarely survives the lab's early triple fault
 // (it strikes a few percent of the children there; see test/kvm/lab-flake.ts):
@@ -37,6 +37,7 @@ const { values } = parseArgs({
     image: { type: 'string', default: 'default' },
     'print-shift': { type: 'string', default: '10' },
     sizes: { type: 'string', default: '1,10,100' },
+    'no-pattern': { type: 'boolean', default: false },
   },
 });
 const SIZES = values.sizes!.split(',').map(Number);
@@ -243,7 +244,11 @@ async function linux(): Promise<void> {
   // In the emulated lab 100 children take minutes to answer, not milliseconds.
   // Idle reclaim passes as outside the lab (the lab's default is off).
   const { RECLAIM_IDLE_MS } = await import('../host/engine/kvm/engine.ts');
-  const engine = new KvmEngine({ reclaimIdleMs: RECLAIM_IDLE_MS, ...(process.env.FORKLING_IN_LAB ? { childReadyTimeoutMs: 900_000 } : {}) });
+  const engine = new KvmEngine({
+    reclaimIdleMs: RECLAIM_IDLE_MS,
+    pattern: !values['no-pattern'],
+    ...(process.env.FORKLING_IN_LAB ? { childReadyTimeoutMs: 900_000 } : {}),
+  });
   const name = `bench-${process.pid}`;
   try {
     const t0 = performance.now();
@@ -269,14 +274,14 @@ async function linux(): Promise<void> {
       // after the first fork, by a hidden child: host/engine/kvm/pattern.ts).
       const idleDeadline = performance.now() + 600_000;
       const settled = (k: (typeof kids)[number]) =>
-        !!k.reclaimed.failed || (k.reclaimed.passes > 0 && (k.reclaimed.patternPasses > 0 || !!engine.patternOf(name)?.failed));
+        !!k.reclaimed.failed || (k.reclaimed.passes > 0 && (values['no-pattern'] || k.reclaimed.patternPasses > 0 || !!engine.patternOf(name)?.failed));
       while (!kids.every(settled) && performance.now() < idleDeadline) await new Promise((r) => setTimeout(r, 200));
       await new Promise((r) => setTimeout(r, 1000));
       const idle = await Promise.all(kids.map(async (k) => (await k.stats()).counters.guestPrivateKiB!));
       const fromPattern = await Promise.all(kids.map(async (k) => (await k.stats()).counters.patternKiB!));
       const patternNote = engine.patternOf(name)?.layer
         ? `, ${f(fromPattern.reduce((a, b) => a + b, 0) / n)} KiB mapped from the pattern (one ${f(engine.patternOf(name)!.layer!.pageCount * 4)} KiB file)`
-        : `, no pattern (${engine.patternOf(name)?.failed ?? 'not built'})`;
+        : `, no pattern (${values['no-pattern'] ? '--no-pattern' : (engine.patternOf(name)?.failed ?? 'not built')})`;
       rows.push({
         what: `fork N=${n}`,
         readyMs: all,
