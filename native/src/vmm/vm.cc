@@ -655,6 +655,21 @@ void Vm::Release() {
   run_cv_.notify_all();
 }
 
+HeldStill::HeldStill(Vm& vm) : vm_(vm), vsock_(vm.vsock()) {
+  if (vsock_) vsock_->Pause();
+  t0_ = std::chrono::steady_clock::now();
+  vm_.Hold();
+}
+
+uint64_t HeldStill::Let() {
+  if (!held_) return 0;
+  held_ = false;
+  vm_.Release();
+  const auto held = std::chrono::steady_clock::now() - t0_;
+  if (vsock_ && !keep_vsock_) vsock_->Resume();
+  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(held).count());
+}
+
 void Vm::WaitStopped() {
   KickAll();
   std::unique_lock<std::mutex> l(run_mu_);

@@ -8,6 +8,7 @@
 #include <linux/kvm.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -232,6 +233,27 @@ class Vm {
   std::atomic<uint64_t> exits_[kExitKinds] = {};
   std::atomic<uint64_t> console_bytes_{0};
   std::unique_ptr<KvmStats> kvm_stats_;  // opened at the first GetStats
+};
+
+// Holds a VM's vCPUs and its vsock loop, the writers of guest RAM, still
+// while it lives (reclaim, pattern capture): the vsock loop first, then the
+// vCPUs; let go in the other order.
+class HeldStill {
+ public:
+  explicit HeldStill(Vm& vm);
+  ~HeldStill() { Let(); }
+  HeldStill(const HeldStill&) = delete;
+  HeldStill& operator=(const HeldStill&) = delete;
+  // Lets the VM go on (once); returns how long its vCPUs were held, in ns.
+  uint64_t Let();
+  // A VM being stopped for a failure keeps its vsock loop held.
+  void KeepVsockHeld() { keep_vsock_ = true; }
+
+ private:
+  Vm& vm_;
+  VirtioVsock* vsock_;
+  std::chrono::steady_clock::time_point t0_;
+  bool held_ = true, keep_vsock_ = false;
 };
 
 }  // namespace forkling::vmm

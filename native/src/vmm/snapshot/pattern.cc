@@ -4,9 +4,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <iterator>
 
 #include "vmm/snapshot/pagemap.h"
-#include "vmm/virtio_vsock.h"
 #include "vmm/vm.h"
 
 namespace forkling::vmm::snapshot {
@@ -37,31 +37,29 @@ void PatternBacking::Add(uint64_t first, uint64_t count) {
   g_process_maps++;
 }
 
+std::vector<uint64_t> WrittenPages(const Vm& vm) {
+  const GuestRam& ram = vm.ram();
+  std::vector<uint64_t> pages = PrivatePages(ram.host(), ram.size());
+  const PatternBacking* pb = vm.pattern();
+  if (!pb) return pages;
+  std::vector<uint64_t> all;
+  std::set_union(pages.begin(), pages.end(), pb->pages().begin(), pb->pages().end(), std::back_inserter(all));
+  return all;
+}
+
 std::shared_ptr<DiffLayer> CapturePattern(Vm& vm, const std::string& dir) {
   std::shared_ptr<const RestoreSpec> origin = vm.origin();
   const GuestRam& ram = vm.ram();
   if (!origin || !ram.host() || ram.shared()) throw std::runtime_error("only a VM restored from a snapshot has a pattern to capture");
   if (vm.stopped()) throw std::runtime_error("the VM has stopped: it has no pattern to capture");
   int fd = CreateTempDiffFile(dir);
-  VirtioVsock* vsock = vm.vsock();
-  if (vsock) vsock->Pause();
-  vm.Hold();
   try {
-    std::vector<uint64_t> pages = PrivatePages(ram.host(), ram.size());
-    if (const PatternBacking* own = vm.pattern()) {
-      std::vector<uint64_t> all;
-      std::set_union(pages.begin(), pages.end(), own->pages().begin(), own->pages().end(), std::back_inserter(all));
-      pages = std::move(all);
-    }
-    WriteDiff(fd, ram.host(), ram.size(), FillSmallGaps(pages, kPatternMaxGap), false);
+    HeldStill held(vm);
+    WriteDiff(fd, ram.host(), ram.size(), FillSmallGaps(WrittenPages(vm), kPatternMaxGap), false);
   } catch (...) {
-    vm.Release();
-    if (vsock) vsock->Resume();
     close(fd);
     throw;
   }
-  vm.Release();
-  if (vsock) vsock->Resume();
   return DiffLayer::Open(fd, "the pattern of " + origin->what);
 }
 

@@ -71,6 +71,11 @@ class PatternBacking {
   bool exhausted_ = false;
 };
 
+// The RAM pages of a restored VM that do not read its snapshot's bytes
+// through its mapping: its private pages and those mapped from its pattern
+// (sorted). What a BRANCH or a pattern captures.
+std::vector<uint64_t> WrittenPages(const Vm& vm);
+
 // Captures the private pages of a restored VM (and the pages it maps from a
 // pattern of its own), small gaps filled, into an unlinked diff file in
 // `dir`, with the vCPUs and the vsock loop held. Throws std::system_error.

@@ -17,7 +17,6 @@
 #include "vmm/snapshot/diff_layer.h"
 #include "vmm/snapshot/pagemap.h"
 #include "vmm/snapshot/pattern.h"
-#include "vmm/virtio_vsock.h"
 
 namespace forkling::vmm::snapshot {
 namespace {
@@ -100,6 +99,11 @@ uint64_t Ns(Clock::time_point a, Clock::time_point b) {
   return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count());
 }
 
+void AddPause(ReclaimResult& r, uint64_t held_ns) {
+  r.pause_ns += held_ns;
+  r.longest_pause_ns = std::max(r.longest_pause_ns, held_ns);
+}
+
 // Maps the pattern's runs, within RAM pages [from, to), over the VM's pages
 // where these hold the pattern's bytes, if that shares at least one private
 // page (`priv`, sorted). Compared while the guest runs (a page not private is
@@ -173,72 +177,58 @@ uint64_t MapPattern(Vm& vm, PatternBacking& pb, const SnapshotPages& snap, const
     std::sort(spans.begin(), spans.end(), [](const Span& a, const Span& b) { return a.page < b.page; });
   }
 
-  VirtioVsock* vsock = vm.vsock();
-  if (vsock) vsock->Pause();
-  const auto p0 = Clock::now();
-  vm.Hold();
-  bool lost = false;  // a range could not be mapped again: the VM is stopped, its vsock loop stays held
-  try {
-    const int base_fd = vm.origin()->memory_fd->get();
-    for (const Span& s : spans) {
-      // Which pages are private now: a page that is not holds the snapshot's bytes, compared above.
-      const std::vector<uint64_t> now = PrivatePages(ram.host() + s.page * kPage, s.count * kPage);
-      uint64_t start = 0, len = 0, gain = 0;
-      auto map = [&] {
-        if (!gain || !pb.MapsLeft()) {
-          len = gain = 0;
-          return;
-        }
-        const DiffRun* run = layer.Find(start);
-        const off_t off = off_t(layer.data_offset() + (run->slot + start - run->page) * kPage);
-        uint8_t* at = ram.host() + start * kPage;
-        const uint64_t bytes = len * kPage;
-        if (mmap(at, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE, layer.fd(), off) != MAP_FAILED) {
-          madvise(at, bytes, MADV_DONTDUMP);  // (as the rest of guest RAM; lets the VMAs merge)
-          pb.Add(start, len);
-          for (uint64_t i = 0; i < len; i++) mapped.push_back(start + i);
-          r.pattern_pages += gain;
-        } else {
-          // Mostly the limit on mappings (the old mapping is then intact): no more runs for this VM.
-          pb.Exhaust();
-          std::vector<unsigned char> in(len);
-          if (mincore(at, bytes, in.data()) != 0 && errno == ENOMEM) {
-            // Out of memory after the kernel unmapped the range: the memory
-            // file there again, with the bytes the guest had (the pattern's).
-            if (mmap(at, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE, base_fd, off_t(start * kPage)) == MAP_FAILED) {
-              lost = true;
-              vm.Fail("its RAM could not be mapped again after a failed mmap of its pattern (the host is out of memory)");
-              Fail("mmap guest RAM again");
-            }
-            madvise(at, bytes, MADV_DONTDUMP);
-            std::memcpy(at, copies.get() + (s.copy + start - s.page) * kPage, bytes);
-          }
-        }
+  HeldStill held(vm);
+  const int base_fd = vm.origin()->memory_fd->get();
+  for (const Span& s : spans) {
+    // Which pages are private now: a page that is not holds the snapshot's bytes, compared above.
+    const std::vector<uint64_t> now = PrivatePages(ram.host() + s.page * kPage, s.count * kPage);
+    uint64_t start = 0, len = 0, gain = 0;
+    auto map = [&] {
+      if (!gain || !pb.MapsLeft()) {
         len = gain = 0;
-      };
-      for (uint64_t i = 0; i < s.count; i++) {
-        const uint64_t p = s.page + i;
-        const bool mine = std::binary_search(now.begin(), now.end(), i);
-        if (mine && std::memcmp(ram.host() + p * kPage, copies.get() + (s.copy + i) * kPage, kPage) != 0) {
-          map();
-          continue;
-        }
-        if (!len) start = p;
-        len++;
-        gain += mine;
+        return;
       }
-      map();
+      const DiffRun* run = layer.Find(start);
+      const off_t off = off_t(layer.data_offset() + (run->slot + start - run->page) * kPage);
+      uint8_t* at = ram.host() + start * kPage;
+      const uint64_t bytes = len * kPage;
+      if (mmap(at, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE, layer.fd(), off) != MAP_FAILED) {
+        madvise(at, bytes, MADV_DONTDUMP);  // (as the rest of guest RAM; lets the VMAs merge)
+        pb.Add(start, len);
+        for (uint64_t i = 0; i < len; i++) mapped.push_back(start + i);
+        r.pattern_pages += gain;
+      } else {
+        // Mostly the limit on mappings (the old mapping is then intact): no more runs for this VM.
+        pb.Exhaust();
+        std::vector<unsigned char> in(len);
+        if (mincore(at, bytes, in.data()) != 0 && errno == ENOMEM) {
+          // Out of memory after the kernel unmapped the range: the memory
+          // file there again, with the bytes the guest had (the pattern's).
+          if (mmap(at, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE, base_fd, off_t(start * kPage)) == MAP_FAILED) {
+            held.KeepVsockHeld();  // (its loop must not touch the hole)
+            vm.Fail("its RAM could not be mapped again after a failed mmap of its pattern (the host is out of memory)");
+            Fail("mmap guest RAM again");
+          }
+          madvise(at, bytes, MADV_DONTDUMP);
+          std::memcpy(at, copies.get() + (s.copy + start - s.page) * kPage, bytes);
+        }
+      }
+      len = gain = 0;
+    };
+    for (uint64_t i = 0; i < s.count; i++) {
+      const uint64_t p = s.page + i;
+      const bool mine = std::binary_search(now.begin(), now.end(), i);
+      if (mine && std::memcmp(ram.host() + p * kPage, copies.get() + (s.copy + i) * kPage, kPage) != 0) {
+        map();
+        continue;
+      }
+      if (!len) start = p;
+      len++;
+      gain += mine;
     }
-  } catch (...) {
-    vm.Release();
-    if (vsock && !lost) vsock->Resume();
-    throw;
+    map();
   }
-  vm.Release();
-  const uint64_t paused = Ns(p0, Clock::now());
-  if (vsock) vsock->Resume();
-  r.pause_ns += paused;
-  r.longest_pause_ns = std::max(r.longest_pause_ns, paused);
+  AddPause(r, held.Let());
   return next;
 }
 
@@ -247,7 +237,6 @@ uint64_t MapPattern(Vm& vm, PatternBacking& pb, const SnapshotPages& snap, const
 ReclaimResult Reclaim(Vm& vm, uint64_t from_page, uint64_t max_pages) {
   std::shared_ptr<const RestoreSpec> origin = vm.origin();
   if (!origin) throw std::runtime_error("only a VM restored from a snapshot can give pages back");
-  auto ns = Ns;
   ReclaimResult r;
   const auto t0 = Clock::now();
   const GuestRam& ram = vm.ram();
@@ -268,7 +257,7 @@ ReclaimResult Reclaim(Vm& vm, uint64_t from_page, uint64_t max_pages) {
   }
   r.private_pages = priv.size();
   if (priv.empty()) {
-    r.total_ns = ns(t0, Clock::now());
+    r.total_ns = Ns(t0, Clock::now());
     return r;
   }
   SnapshotPages snap(*origin);
@@ -311,43 +300,30 @@ ReclaimResult Reclaim(Vm& vm, uint64_t from_page, uint64_t max_pages) {
     if (cands.empty()) continue;
 
     // Held still: compare again, drop the equal ones in runs.
-    VirtioVsock* vsock = vm.vsock();
-    if (vsock) vsock->Pause();
-    const auto p0 = Clock::now();
-    vm.Hold();
+    HeldStill held(vm);
     uint64_t start = 0, len = 0;
     auto flush = [&] {
       if (len && madvise(ram.host() + start * kPage, len * kPage, MADV_DONTNEED) != 0) Fail("madvise(MADV_DONTNEED)");
       r.dropped_pages += len;
       len = 0;
     };
-    try {
-      for (const Candidate& c : cands) {
-        const uint8_t* host = ram.host() + c.page * kPage;
-        const bool same = c.copy < 0 ? IsZero(host) : std::memcmp(host, copies.get() + c.copy * kPage, kPage) == 0;
-        if (!same) {
-          flush();
-        } else if (len && start + len == c.page) {
-          len++;
-        } else {
-          flush();
-          start = c.page;
-          len = 1;
-        }
+    for (const Candidate& c : cands) {
+      const uint8_t* host = ram.host() + c.page * kPage;
+      const bool same = c.copy < 0 ? IsZero(host) : std::memcmp(host, copies.get() + c.copy * kPage, kPage) == 0;
+      if (!same) {
+        flush();
+      } else if (len && start + len == c.page) {
+        len++;
+      } else {
+        flush();
+        start = c.page;
+        len = 1;
       }
-      flush();
-    } catch (...) {
-      vm.Release();
-      if (vsock) vsock->Resume();
-      throw;
     }
-    vm.Release();
-    const uint64_t paused = ns(p0, Clock::now());
-    if (vsock) vsock->Resume();
-    r.pause_ns += paused;
-    r.longest_pause_ns = std::max(r.longest_pause_ns, paused);
+    flush();
+    AddPause(r, held.Let());
   }
-  r.total_ns = ns(t0, Clock::now());
+  r.total_ns = Ns(t0, Clock::now());
   return r;
 }
 

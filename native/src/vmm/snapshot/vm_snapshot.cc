@@ -9,7 +9,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <iterator>
 #include <stdexcept>
 
 #include "vmm/snapshot/checksum.h"
@@ -363,15 +362,9 @@ BranchResult Branch(Vm& vm, const std::string& dir) {
     vm.SetDirtyLogging(true);
     logging = true;
     vm.TakeDirtyPages();  // start from a clean log
-    // Pages mapped from a pattern hold what the guest has there too, but
-    // the children map the template and the layers: they are copied as well.
-    std::vector<uint64_t> written = PrivatePages(ram.host(), ram.size());
-    if (const PatternBacking* pb = vm.pattern()) {
-      std::vector<uint64_t> all;
-      std::set_union(written.begin(), written.end(), pb->pages().begin(), pb->pages().end(), std::back_inserter(all));
-      written = std::move(all);
-    }
-    std::vector<uint64_t> pages = FillGaps(written, kDiffRunBudget);
+    // With the pages mapped from a pattern: the children map the template
+    // and the layers only.
+    std::vector<uint64_t> pages = FillGaps(WrittenPages(vm), kDiffRunBudget);
     DiffBuilder diff(fd, ram.size(), ram_pages);
     diff.Add(ram.host(), pages);
     auto p1 = Clock::now();
