@@ -60,8 +60,9 @@ export class Patterns {
   constructor(private readonly build: PatternBuild) {}
 
   /**
-   * The pattern of `name` as created at `createdAt` for `children`, built if
-   * it is not yet (after `idleMs`, as children wait before a pass).
+   * The pattern of `name` as created at `createdAt` for `children`; built
+   * when one of them first runs a pass (its hidden child idles `idleMs`, as
+   * children do before a pass).
    */
   attach(name: string, createdAt: string, snapshot: NativeSnapshot, children: KvmSandbox[], idleMs: number): void {
     const key = `${name}\0${createdAt}`;

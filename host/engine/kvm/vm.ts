@@ -191,11 +191,13 @@ export class KvmSandbox implements Sandbox {
   }
 
   /**
-   * The pattern was built: an idle child runs a pass with it now rather than
-   * at its next idle time (a pass armed or running sees to it at its end).
+   * The pattern was built (or came while a pass ran without it): an idle
+   * child runs a pass with it now rather than at its next idle time (a pass
+   * armed or running sees to it, the latter at its end).
    */
   patternReady(): void {
-    if (this.pattern?.layer && this.reclaimIdleMs > 0 && !this.reclaimTimer && !this.reclaiming && this.client?.inFlight === 0) this.armReclaim(0);
+    if (this.pattern?.layer && !this.patternSet && this.reclaimIdleMs > 0 && !this.reclaimTimer && !this.reclaiming && this.client?.inFlight === 0)
+      this.armReclaim(0);
   }
 
   /** Reclaims `idleMs` after the agent last went idle (0: never). */
@@ -221,8 +223,7 @@ export class KvmSandbox implements Sandbox {
         })
         .finally(() => {
           this.reclaiming = null;
-          // The pattern came while this pass ran without it: one more, at once.
-          if (this.pattern?.layer && !this.patternSet && this.client?.inFlight === 0) this.armReclaim(0);
+          this.patternReady();
         });
     }, delayMs);
     this.reclaimTimer.unref();
