@@ -15,11 +15,10 @@
 //   the agent's `restore` answer, plus the first eval answer.
 //
 // Memory per child is measured while the children are alive: the guest pages
-// each owns alone (pagemap of its RAM mapping), and the host's growth per
-// child: this process's anonymous memory (smaps_rollup: the children's
-// private guest pages, thread stacks, device buffers, heap) plus the
-// kernel's page tables for guests (SecPageTables) and slab (KVM's vCPU and
-// VM structures among others; system-wide, so other activity adds noise).
+// each owns alone (pagemap of its RAM mapping), and what the host holds per
+// child beyond them (hostPerChild: this process's other anonymous memory,
+// page tables, KVM's nested page tables, slab and vmalloc; system-wide, so
+// other activity adds noise), next to the engine's own per-VM host figure.
 import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -48,11 +47,26 @@ function kib(field: string, text: string): number {
   const m = new RegExp(`^${field}:\\s+(\\d+) kB`, 'm').exec(text);
   return m ? Number(m[1]) : 0;
 }
-/** Private (anonymous) memory of this process and the kernel's guest page tables and slab (system-wide). */
-function hostMemory(): { anon: number; secPageTables: number; slab: number } {
+/** This process's anonymous memory, and the kernel's page tables, guest page tables, slab and vmalloc (system-wide). */
+function hostMemory(): Record<'anon' | 'pageTables' | 'secPageTables' | 'slab' | 'vmalloc', number> {
   const r = readFileSync('/proc/self/smaps_rollup', 'utf8');
   const m = readFileSync('/proc/meminfo', 'utf8');
-  return { anon: kib('Anonymous', r), secPageTables: kib('SecPageTables', m), slab: kib('Slab', m) };
+  return { anon: kib('Anonymous', r), pageTables: kib('PageTables', m), secPageTables: kib('SecPageTables', m), slab: kib('Slab', m), vmalloc: kib('VmallocUsed', m) };
+}
+/**
+ * What the host holds per child beyond the child's own guest pages (`guestKiB`
+ * in all): this process's other anonymous memory (device buffers, thread
+ * stacks, heap), its page tables for guest RAM, KVM's nested page tables
+ * (SecPageTables), slab and vmalloc (KVM's VM and vCPU structures, kernel
+ * stacks). System-wide figures: other activity adds noise.
+ */
+function hostPerChild(before: ReturnType<typeof hostMemory>, after: ReturnType<typeof hostMemory>, n: number, guestKiB: number): { kib: number; note: string } {
+  const d = (k: keyof typeof before) => (after[k] - before[k]) / n;
+  const parts = { anon: d('anon') - guestKiB / n, pageTables: d('pageTables'), secPageTables: d('secPageTables'), slab: d('slab'), vmalloc: d('vmalloc') };
+  return {
+    kib: Object.values(parts).reduce((a, b) => a + b, 0),
+    note: `host per child: other anon ${f(parts.anon)}, page tables ${f(parts.pageTables)}, SecPageTables ${f(parts.secPageTables)}, slab ${f(parts.slab)}, vmalloc ${f(parts.vmalloc)} KiB`,
+  };
 }
 
 interface Row {
@@ -182,7 +196,7 @@ async function tiny(): Promise<void> {
       const after = hostMemory();
       const priv = kids.map((k) => k.vm.memoryUsage().guestPrivateBytes / 1024);
       const ready = kids.map((k) => k.readyAt - k.t0);
-      const hostPer = (after.anon - before.anon + after.secPageTables - before.secPageTables + after.slab - before.slab) / n;
+      const host = hostPerChild(before, after, n, priv.reduce((a, b) => a + b, 0));
       rows.push({
         what: `fork N=${n}`,
         readyMs: all,
@@ -190,8 +204,8 @@ async function tiny(): Promise<void> {
         p99: quantile(ready, 0.99),
         createMs: kids.reduce((a, k) => a + k.createMs, 0) / n,
         privKiB: priv.reduce((a, b) => a + b, 0) / n,
-        hostKiB: hostPer,
-        note: `SecPageTables +${f((after.secPageTables - before.secPageTables) / n)} KiB, slab +${f((after.slab - before.slab) / n)} KiB per child`,
+        hostKiB: host.kib,
+        note: host.note,
       });
       for (const k of kids) k.vm.kill();
     }
@@ -268,6 +282,8 @@ async function linux(): Promise<void> {
       const after = hostMemory();
       const ready = kids.map((k) => k.timings.readyAt - k.timings.startedAt);
       const priv = await Promise.all(kids.map(async (k) => (await k.stats()).counters.guestPrivateKiB!));
+      const engineHost = await Promise.all(kids.map(async (k) => (await k.stats()).counters.hostKiB!));
+      const host = hostPerChild(before, after, n, priv.reduce((a, b) => a + b, 0));
       // The same children idle a while later (the guest kernel's timers, the
       // agent's threads), after the engine's own reclaim passes (at
       // RECLAIM_IDLE_MS), the last with the template's pattern (built once,
@@ -289,8 +305,8 @@ async function linux(): Promise<void> {
         p99: quantile(ready, 0.99),
         createMs: NaN,
         privKiB: priv.reduce((a, b) => a + b, 0) / n,
-        hostKiB: (after.anon - before.anon + after.secPageTables - before.secPageTables + after.slab - before.slab) / n,
-        note: `ready = agent restore answered; all = first eval answered; private when idle, 1 s after the engine's reclaim passes: ${f(idle.reduce((a, b) => a + b, 0) / n)} KiB${patternNote}`,
+        hostKiB: host.kib,
+        note: `ready = agent restore answered; all = first eval answered; private when idle, 1 s after the engine's reclaim passes: ${f(idle.reduce((a, b) => a + b, 0) / n)} KiB${patternNote}; ${host.note}; the engine's own per-VM host figure ${f(engineHost.reduce((a, b) => a + b, 0) / n)} KiB`,
       });
       await Promise.all(kids.map((k) => k.kill()));
     }

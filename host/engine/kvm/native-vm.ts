@@ -75,8 +75,9 @@ export interface NativeVmStats {
   residentBytes: number;
   /**
    * Host memory of the VM outside guest RAM: vCPU thread stacks and kvm_run
-   * pages (resident), and at least the table pages of KVM's nested page
-   * table for what it maps (from KVM's own statistics).
+   * pages (resident), the host's page tables for the RAM mapping (pagemap),
+   * and KVM's nested page table (its statistics, and at least as many pages
+   * as the host's). KVM's fixed structures per VM are not in it (README).
    */
   hostBytes: number;
   counters: Record<string, number>;

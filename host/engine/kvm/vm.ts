@@ -428,7 +428,7 @@ export class KvmSandbox implements Sandbox {
 
   /**
    * Memory the VM holds alone now (guest pages, plus its host-side structures:
-   * vCPU stacks, kvm_run pages, KVM's nested page table) and the VMM's
+   * vCPU stacks, kvm_run pages, the host's and KVM's page tables for its RAM) and the VMM's
    * counters (exits by kind, vsock, interrupts).
    */
   async stats(): Promise<SandboxStats> {

@@ -220,7 +220,7 @@ void VirtioVsock::StartLoop() {
   kick_pending_ = false;
   running_ = true;  // before the thread: a guest kick from now on reaches it
   try {
-    thread_ = std::thread(&VirtioVsock::Loop, this);
+    thread_ = VmmThread([this] { Loop(); });
   } catch (const std::system_error& e) {
     running_ = false;
     FailDevice(std::string("cannot start the vsock device's thread: ") + e.what());

@@ -29,12 +29,12 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "vmm/virtio_device.h"
 #include "vmm/virtqueue.h"
+#include "vmm/vmm_thread.h"
 
 namespace forkling::vmm {
 
@@ -212,7 +212,7 @@ class VirtioVsock : public VirtioDevice {
   mutable std::mutex control_mu_;  // serialises Activate / Reset / Pause / Resume / RestoreState
   bool active_ = false;            // activated and not reset (the loop may be paused)
   bool paused_ = false;             // held still by the VMM (Pause) until Resume, whatever the guest does
-  std::thread thread_;
+  VmmThread thread_;
   std::atomic<bool> running_{false};
   std::atomic<bool> stop_{false};
   std::atomic<bool> kick_pending_{false};

@@ -15,7 +15,6 @@
 #include <memory>
 #include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "vmm/guest_ram.h"
@@ -23,6 +22,7 @@
 #include "vmm/legacy_devices.h"
 #include "vmm/pci.h"
 #include "vmm/snapshot/state_file.h"
+#include "vmm/vmm_thread.h"
 
 namespace forkling::vmm {
 
@@ -119,9 +119,11 @@ class Vm {
     uint64_t memory_bytes;
     uint64_t resident_bytes;  // guest pages backed by host memory
     // Host memory of this VM outside guest RAM: its vCPU threads' stacks and
-    // kvm_run pages (resident), and KVM's nested page table at least (from
-    // the pages KVM says it maps: one table page per 512 entries per level;
-    // 0 where the kernel has no binary stats). Counters host_*_bytes too.
+    // kvm_run pages (resident), the host's page tables for the RAM mapping
+    // (pagemap: one page per 2 MiB span in use), and KVM's nested page table
+    // (the larger of the fewest tables that hold the entries KVM says it
+    // maps and those spans). Counters host_*_bytes too. Not counted: KVM's
+    // fixed structures per VM and vCPU (vmalloc, slab; see the README).
     uint64_t host_bytes;
     std::vector<std::pair<std::string, uint64_t>> counters;
   };
@@ -159,7 +161,7 @@ class Vm {
     int fd = -1;
     kvm_run* run = nullptr;
     size_t run_size = 0;
-    std::thread thread;
+    VmmThread thread;
     pthread_t tid{};
     std::atomic<bool> in_thread{false};
     // The thread's stack, set by the thread itself (for GetStats).
@@ -212,8 +214,8 @@ class Vm {
   std::atomic<bool> panicked_{false};
   // Poweroff without ACPI: the kernel prints "reboot: Power down" (or "System
   // halted") and halts every CPU with interrupts off. The console line wakes
-  // this thread, which confirms that state and ends the VM.
-  std::thread halt_thread_;
+  // this thread (started then), which confirms that state and ends the VM.
+  VmmThread halt_thread_;
   std::mutex halt_mu_;
   std::condition_variable halt_cv_;
   bool halt_hint_ = false;

@@ -55,8 +55,12 @@ std::vector<uint64_t> PrivatePages(const void* addr, uint64_t len) {
 
 PageCounts CountPages(const void* addr, uint64_t len) {
   PageCounts c;
-  Walk(addr, len, [&](uint64_t, uint64_t e) {
+  const uint64_t first = reinterpret_cast<uintptr_t>(addr) / kPage;
+  uint64_t last_span = ~0ull;
+  Walk(addr, len, [&](uint64_t page, uint64_t e) {
     if (!(e & (kPresent | kSwapped))) return;
+    const uint64_t span = (first + page) >> 9;  // 512 pages: what one page-table page maps
+    if (span != last_span) c.table_spans++, last_span = span;
     if (e & kFileOrShared) c.shared_pages++;
     else c.private_pages++;
   });

@@ -17,6 +17,9 @@ std::vector<uint64_t> PrivatePages(const void* addr, uint64_t len);
 struct PageCounts {
   uint64_t private_pages = 0;  // anonymous copies (present or swapped)
   uint64_t shared_pages = 0;   // present, from the page cache / shared memory
+  // 2 MiB-aligned spans of the range with a page present or swapped: each
+  // costs the host one page-table page (and KVM about one more for the guest).
+  uint64_t table_spans = 0;
 };
 PageCounts CountPages(const void* addr, uint64_t len);
 
