@@ -1,7 +1,7 @@
 // Fork and BRANCH figures of the KVM engine, side by side with a cold boot of
 // the same guest, in one run on one template.
 //
-//   npx tsx bench/kvm-fork.ts [--guest tiny|linux] [--image default] [--print-shift 10] [--sizes 1,10,100] [--no-pattern]
+//   npx tsx bench/kvm-fork.ts [--guest tiny|linux] [--image default] [--print-shift 10] [--sizes 1,10,100] [--no-pattern] [--cgroup]
 //
 // In the lab a Linux fork of 100 rarely survives the lab's early triple fault
 // (it strikes a few percent of the children there; see test/kvm/lab-flake.ts):
@@ -19,7 +19,12 @@
 // child beyond them (hostPerChild: this process's other anonymous memory,
 // page tables, KVM's nested page tables, slab and vmalloc; system-wide, so
 // other activity adds noise), next to the engine's own per-VM host figure.
-import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
+// --cgroup (as root, cgroup v2; mounted if it is not, as in the lab): this
+// process first moves into a memory cgroup of its own, and each fork adds
+// that cgroup's growth per child (memory.current: all the kernel charges to
+// it, guest pages and KVM's structures alike, without other processes' noise).
+import { execFileSync } from 'node:child_process';
+import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmdirSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { parseArgs } from 'node:util';
@@ -37,6 +42,7 @@ const { values } = parseArgs({
     'print-shift': { type: 'string', default: '10' },
     sizes: { type: 'string', default: '1,10,100' },
     'no-pattern': { type: 'boolean', default: false },
+    cgroup: { type: 'boolean', default: false },
   },
 });
 const SIZES = values.sizes!.split(',').map(Number);
@@ -47,11 +53,30 @@ function kib(field: string, text: string): number {
   const m = new RegExp(`^${field}:\\s+(\\d+) kB`, 'm').exec(text);
   return m ? Number(m[1]) : 0;
 }
-/** This process's anonymous memory, and the kernel's page tables, guest page tables, slab and vmalloc (system-wide). */
-function hostMemory(): Record<'anon' | 'pageTables' | 'secPageTables' | 'slab' | 'vmalloc', number> {
+const CGROUP_ROOT = '/sys/fs/cgroup';
+/** --cgroup: the memory cgroup this process moved into (removed at exit). */
+let cgroupDir: string | null = null;
+function enterCgroup(): void {
+  if (!existsSync(`${CGROUP_ROOT}/cgroup.controllers`)) execFileSync('mount', ['-t', 'cgroup2', 'none', CGROUP_ROOT]);
+  writeFileSync(`${CGROUP_ROOT}/cgroup.subtree_control`, '+memory');
+  const dir = `${CGROUP_ROOT}/forkling-bench-${process.pid}`;
+  mkdirSync(dir);
+  writeFileSync(`${dir}/cgroup.procs`, String(process.pid));
+  cgroupDir = dir;
+}
+function leaveCgroup(): void {
+  if (!cgroupDir) return;
+  writeFileSync(`${CGROUP_ROOT}/cgroup.procs`, String(process.pid));
+  rmdirSync(cgroupDir);
+  cgroupDir = null;
+}
+
+/** This process's anonymous memory, and the kernel's page tables, guest page tables, slab and vmalloc (system-wide); its cgroup's memory with --cgroup. */
+function hostMemory(): Record<'anon' | 'pageTables' | 'secPageTables' | 'slab' | 'vmalloc' | 'cgroup', number> {
   const r = readFileSync('/proc/self/smaps_rollup', 'utf8');
   const m = readFileSync('/proc/meminfo', 'utf8');
-  return { anon: kib('Anonymous', r), pageTables: kib('PageTables', m), secPageTables: kib('SecPageTables', m), slab: kib('Slab', m), vmalloc: kib('VmallocUsed', m) };
+  const cgroup = cgroupDir ? Number(readFileSync(`${cgroupDir}/memory.current`, 'utf8')) / 1024 : Number.NaN;
+  return { anon: kib('Anonymous', r), pageTables: kib('PageTables', m), secPageTables: kib('SecPageTables', m), slab: kib('Slab', m), vmalloc: kib('VmallocUsed', m), cgroup };
 }
 /**
  * What the host holds per child beyond the child's own guest pages (`guestKiB`
@@ -63,9 +88,10 @@ function hostMemory(): Record<'anon' | 'pageTables' | 'secPageTables' | 'slab' |
 function hostPerChild(before: ReturnType<typeof hostMemory>, after: ReturnType<typeof hostMemory>, n: number, guestKiB: number): { kib: number; note: string } {
   const d = (k: keyof typeof before) => (after[k] - before[k]) / n;
   const parts = { anon: d('anon') - guestKiB / n, pageTables: d('pageTables'), secPageTables: d('secPageTables'), slab: d('slab'), vmalloc: d('vmalloc') };
+  const cgroup = cgroupDir ? `; the memory cgroup grew ${f(d('cgroup'))} KiB per child (guest pages included)` : '';
   return {
     kib: Object.values(parts).reduce((a, b) => a + b, 0),
-    note: `host per child: other anon ${f(parts.anon)}, page tables ${f(parts.pageTables)}, SecPageTables ${f(parts.secPageTables)}, slab ${f(parts.slab)}, vmalloc ${f(parts.vmalloc)} KiB`,
+    note: `host per child: other anon ${f(parts.anon)}, page tables ${f(parts.pageTables)}, SecPageTables ${f(parts.secPageTables)}, slab ${f(parts.slab)}, vmalloc ${f(parts.vmalloc)} KiB${cgroup}`,
   };
 }
 
@@ -339,7 +365,12 @@ async function linux(): Promise<void> {
   }
 }
 
-if (values.guest === 'linux') await linux();
-else if (values.guest === 'tiny') await tiny();
-else throw new Error('--guest tiny|linux');
+if (values.guest !== 'linux' && values.guest !== 'tiny') throw new Error('--guest tiny|linux');
+if (values.cgroup) enterCgroup();
+try {
+  if (values.guest === 'linux') await linux();
+  else await tiny();
+} finally {
+  leaveCgroup();
+}
 process.exit(0);

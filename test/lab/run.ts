@@ -17,6 +17,7 @@
 //   FORKLING_LAB_CPU        QEMU CPU model (default EPYC,+svm,+npt)
 //   FORKLING_LAB_ACCEL      QEMU -accel (default tcg; e.g. tcg,thread=single)
 //   FORKLING_LAB_BUSYBOX    static busybox to use (default /bin/busybox)
+//   FORKLING_LAB_KERNEL_ARGS  more arguments for the lab's own kernel (e.g. debugfs=off)
 //   FORKLING_HOME           the store; mounted inside (writes go to an overlay in the lab's RAM)
 //   FORKLING_TEST_FILTER, CI  passed to the inner suite
 //   FORKLING_LAB_COMMAND    a shell command to run in the checkout instead of the suite, e.g.
@@ -118,7 +119,7 @@ async function main(startedAt: number): Promise<Summary> {
   const args = [
     '-M', 'q35', '-accel', accel, '-cpu', cpu, '-m', String(memMb), '-smp', String(cpus),
     '-kernel', kernel.vmlinuz, '-initrd', initrd,
-    '-append', 'console=ttyS0 quiet loglevel=4 panic=-1 rdinit=/init',
+    '-append', `console=ttyS0 quiet loglevel=4 panic=-1 rdinit=/init ${process.env.FORKLING_LAB_KERNEL_ARGS ?? ''}`.trim(),
     '-display', 'none', '-vga', 'none', '-monitor', 'none', '-serial', 'stdio', '-nic', 'none', '-no-reboot',
     '-virtfs', 'local,path=/,mount_tag=host,security_model=none,readonly=on,multidevs=remap',
   ];

@@ -4,7 +4,7 @@
 import { spawnSync } from 'node:child_process';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
-import { cgroupMoveCheck } from '../../host/doctor/checks.ts';
+import { cgroupMoveCheck, kvmDebugfsCheck } from '../../host/doctor/checks.ts';
 import { probeKvm } from '../../host/doctor/kvm-probe.ts';
 
 const env = { ...process.env };
@@ -74,6 +74,16 @@ test("cgroup moves: favordynmods on any cgroup mount passes; off, a warning name
   const spaced = cgroupMoveCheck('31 1 0:27 / /mnt/my\\040cg rw - cgroup2 cgroup2 rw,favordynmods');
   assert.match(spaced.detail, '/mnt/my cg');
   assert.is(cgroupMoveCheck('22 1 0:5 / /proc rw - proc proc rw').status, 'pass');
+});
+
+test('KVM debugfs: on, a warning says what it costs per sandbox and how to turn it off; off passes', () => {
+  const on = kvmDebugfsCheck('nodev\tsysfs\nnodev\tdebugfs\nnodev\ttracefs\n\text4\n');
+  assert.is(on.status, 'warn');
+  assert.match(on.detail, 'per sandbox');
+  assert.match(on.fix ?? '', 'debugfs=off');
+  assert.is(kvmDebugfsCheck('nodev\tsysfs\nnodev\ttracefs\n\text4\n').status, 'pass');
+  // (a name that only contains it is not it)
+  assert.is(kvmDebugfsCheck('nodev\tmydebugfs2\n').status, 'pass');
 });
 
 test.run();
