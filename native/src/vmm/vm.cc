@@ -578,19 +578,23 @@ void Vm::ConsoleByte(uint8_t b) {
     if (console_line_.find("Kernel panic - not syncing") != std::string::npos) panicked_ = true;
     if (console_line_.find("reboot: Power down") != std::string::npos ||
         console_line_.find("reboot: System halted") != std::string::npos) {
-      std::lock_guard<std::mutex> l(halt_mu_);
-      halt_hint_ = true;
-      // The watch starts only now: a thread per VM that waits all its life costs a kernel stack
-      // and more. Kill() sets stop_flag_ before it takes halt_mu_, so none starts after Kill.
-      if (!halt_thread_.joinable() && !stop_flag_) {
-        try {
-          halt_thread_ = VmmThread([this] { HaltWatch(); });
-        } catch (const std::system_error&) {
-          // No thread to confirm it: the guest said it powers off, and only its own VM ends.
-          RequestStop("poweroff", "the guest powered off (said on its console; no thread to confirm the halt)");
+      bool no_watch = false;
+      {
+        std::lock_guard<std::mutex> l(halt_mu_);
+        halt_hint_ = true;
+        // The watch starts only now: a thread per VM that waits all its life costs a kernel stack
+        // and more. Kill() sets stop_flag_ before it takes halt_mu_, so none starts after Kill.
+        if (!halt_thread_.joinable() && !stop_flag_) {
+          try {
+            halt_thread_ = VmmThread([this] { HaltWatch(); });
+          } catch (const std::system_error&) {
+            no_watch = true;
+          }
         }
+        halt_cv_.notify_all();
       }
-      halt_cv_.notify_all();
+      // No thread to confirm it: the guest said it powers off, and only its own VM ends.
+      if (no_watch) RequestStop("poweroff", "the guest powered off (said on its console; no thread to confirm the halt)");
     }
     on_event_(VmEvent{VmEvent::Type::kConsole, {}, {}, std::move(console_line_)});
     console_line_.clear();
