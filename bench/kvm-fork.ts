@@ -24,7 +24,7 @@
 // that cgroup's growth per child (memory.current: all the kernel charges to
 // it, guest pages and KVM's structures alike, without other processes' noise).
 import { execFileSync } from 'node:child_process';
-import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmdirSync, rmSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmdirSync, rmSync, writeFileSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { parseArgs } from 'node:util';
@@ -57,17 +57,30 @@ const CGROUP_ROOT = '/sys/fs/cgroup';
 /** --cgroup: the memory cgroup this process moved into (removed at exit). */
 let cgroupDir: string | null = null;
 function enterCgroup(): void {
-  if (!existsSync(`${CGROUP_ROOT}/cgroup.controllers`)) execFileSync('mount', ['-t', 'cgroup2', 'none', CGROUP_ROOT]);
+  if (!existsSync(`${CGROUP_ROOT}/cgroup.controllers`)) {
+    // Mounted here only where nothing is (the lab): a host with cgroup v1 there keeps it.
+    if (readdirSync(CGROUP_ROOT).length > 0) throw new Error(`--cgroup needs cgroup v2 at ${CGROUP_ROOT}`);
+    execFileSync('mount', ['-t', 'cgroup2', 'none', CGROUP_ROOT]);
+  }
   writeFileSync(`${CGROUP_ROOT}/cgroup.subtree_control`, '+memory');
   const dir = `${CGROUP_ROOT}/forkling-bench-${process.pid}`;
   mkdirSync(dir);
-  writeFileSync(`${dir}/cgroup.procs`, String(process.pid));
+  try {
+    writeFileSync(`${dir}/cgroup.procs`, String(process.pid));
+  } catch (e) {
+    rmdirSync(dir);
+    throw e;
+  }
   cgroupDir = dir;
 }
 function leaveCgroup(): void {
   if (!cgroupDir) return;
-  writeFileSync(`${CGROUP_ROOT}/cgroup.procs`, String(process.pid));
-  rmdirSync(cgroupDir);
+  try {
+    writeFileSync(`${CGROUP_ROOT}/cgroup.procs`, String(process.pid));
+    rmdirSync(cgroupDir);
+  } catch (e) {
+    console.error(`could not remove the bench's cgroup ${cgroupDir}: ${(e as Error).message}`);
+  }
   cgroupDir = null;
 }
 

@@ -289,6 +289,7 @@ Napi::Value VmMemoryUsage(const Napi::CallbackInfo& info, vmm::Vm& vm) {
     o.Set("guestSharedBytes", Napi::Number::New(env, double(u.guest_shared_bytes)));
     o.Set("guestMemfdBytes", Napi::Number::New(env, double(u.guest_memfd_bytes)));
     o.Set("guestPatternBytes", Napi::Number::New(env, double(u.guest_pattern_bytes)));
+    o.Set("guestTableBytes", Napi::Number::New(env, double(u.guest_table_bytes)));
     // memoryUsage({frames: true}): also the guest frame numbers of the private pages.
     if (info.Length() > 0 && info[0].IsObject() && info[0].As<Napi::Object>().Get("frames").ToBoolean()) {
       std::vector<uint64_t> f = ss::PrivateGuestFrames(vm);
@@ -454,6 +455,7 @@ void InitSnapshot(Napi::Env env, Napi::Object exports) {
       Napi::Object o = Napi::Object::New(info.Env());
       o.Set("private", Napi::Number::New(info.Env(), double(c.private_pages)));
       o.Set("shared", Napi::Number::New(info.Env(), double(c.shared_pages)));
+      o.Set("tableSpans", Napi::Number::New(info.Env(), double(c.table_spans)));
       return o;
     });
   }));

@@ -263,7 +263,6 @@ class VmWrap : public Napi::ObjectWrap<VmWrap> {
     Napi::Object o = Napi::Object::New(env);
     o.Set("memoryBytes", Napi::Number::New(env, double(s.memory_bytes)));
     o.Set("residentBytes", Napi::Number::New(env, double(s.resident_bytes)));
-    o.Set("hostBytes", Napi::Number::New(env, double(s.host_bytes)));
     Napi::Object c = Napi::Object::New(env);
     for (const auto& [k, v] : s.counters) c.Set(k, Napi::Number::New(env, double(v)));
     o.Set("counters", c);

@@ -148,6 +148,19 @@ test('pagemap: written pages of a MAP_PRIVATE file mapping are private, read one
   closeSync(fd);
 });
 
+test('pageCounts: the 2 MiB spans with a page present, one page-table page each', () => {
+  const SPAN = 2 << 20;
+  const m = n.mmap(4 * SPAN, c.PROT_READ | c.PROT_WRITE, c.MAP_PRIVATE | c.MAP_ANONYMOUS, -1, 0);
+  const mem = new Uint8Array(m.buffer!);
+  assert.is(s.pageCounts(m).tableSpans, 0, 'nothing present, no span');
+  // Pages in the spans of three addresses, two of them in the same span: as the address says.
+  const offsets = [PAGE, PAGE * 3, SPAN + 5 * PAGE, 3 * SPAN + 7 * PAGE];
+  for (const o of offsets) mem[o] = 1;
+  const spans = new Set(offsets.map((o) => (m.address + BigInt(o)) >> 21n));
+  assert.is(s.pageCounts(m).tableSpans, spans.size);
+  n.munmap(m);
+});
+
 test('fillGaps: closes the smallest gaps first, within the budget', () => {
   assert.equal(s.fillGaps([1, 2, 3], 1), [1, 2, 3]);
   assert.equal(s.fillGaps([0, 2, 10, 11, 20], 4), [0, 2, 10, 11, 20]);

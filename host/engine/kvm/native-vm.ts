@@ -74,12 +74,11 @@ export interface NativeVmStats {
   /** guest RAM pages backed by host memory now */
   residentBytes: number;
   /**
-   * Host memory of the VM outside guest RAM: vCPU thread stacks and kvm_run
-   * pages (resident), the host's page tables for the RAM mapping (pagemap),
-   * and KVM's nested page table (its statistics, and at least as many pages
-   * as the host's). KVM's fixed structures per VM are not in it (README).
+   * Exits, device and vsock counters, and the host memory of the VM outside
+   * guest RAM that is cheap to read: host_vcpu_stack_bytes and
+   * host_kvm_run_bytes (resident), host_npt_min_bytes (the fewest table pages
+   * of KVM's nested page table that hold the entries KVM says it maps).
    */
-  hostBytes: number;
   counters: Record<string, number>;
 }
 
@@ -105,6 +104,8 @@ export interface NativeVm {
     guestMemfdBytes: number;
     /** Pages mapped from its pattern (setPattern), written since or not. */
     guestPatternBytes: number;
+    /** The host's page-table pages for guest RAM: one per 2 MiB span with a page present. */
+    guestTableBytes: number;
     privateFrames?: Float64Array;
   };
   /**

@@ -34,7 +34,8 @@ export interface SnapshotNative {
   scanMemoryFile(path: string, what: string): MemoryFileInfo;
   verifyMemoryFile(path: string, expected: MemoryFileInfo, what: string): void;
   clearVerifyCache(): void;
-  pageCounts(memory: Bytes): { private: number; shared: number };
+  /** Pages of a mapping owned privately, shared with the page cache, and the 2 MiB spans with any page present (a page-table page each). */
+  pageCounts(memory: Bytes): { private: number; shared: number; tableSpans: number };
   privatePages(memory: Bytes): number[];
   fillGaps(pages: number[], budget: number): number[];
   writeDiff(fd: number, memory: Bytes, pages: number[], dataChecksum?: boolean): void;

@@ -1,5 +1,6 @@
 #include "vmm/virtio_vsock.h"
 
+#include <pthread.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
@@ -386,6 +387,7 @@ void VirtioVsock::FailDevice(const std::string& message) {
 // ---- the event loop ---------------------------------------------------------
 
 void VirtioVsock::Loop() {
+  pthread_setname_np(pthread_self(), "vsock");
   epoll_event events[64];
   while (!stop_) {
     int n = epoll_wait(epoll_fd_, events, 64, NextTimeoutMs());

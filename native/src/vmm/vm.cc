@@ -8,7 +8,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <stdexcept>
@@ -17,7 +16,6 @@
 #include "vmm/boot_loader.h"
 #include "vmm/layout.h"
 #include "vmm/mptable.h"
-#include "vmm/snapshot/pagemap.h"
 #include "vmm/virtio_pci.h"
 #include "vmm/virtio_rng.h"
 #include "vmm/virtio_vsock.h"
@@ -574,30 +572,29 @@ void Vm::ConsoleByte(uint8_t b) {
   if (b == '\r') return;
   if (b != '\n') console_line_.push_back(char(b));
   if (b == '\n' || console_line_.size() >= 4096) {
+    bool no_watch = false;
     // The kernel prints this before panic=-1 resets the machine; the reset is then reported as a panic.
     if (console_line_.find("Kernel panic - not syncing") != std::string::npos) panicked_ = true;
     if (console_line_.find("reboot: Power down") != std::string::npos ||
         console_line_.find("reboot: System halted") != std::string::npos) {
-      bool no_watch = false;
-      {
-        std::lock_guard<std::mutex> l(halt_mu_);
-        halt_hint_ = true;
-        // The watch starts only now: a thread per VM that waits all its life costs a kernel stack
-        // and more. Kill() sets stop_flag_ before it takes halt_mu_, so none starts after Kill.
-        if (!halt_thread_.joinable() && !stop_flag_) {
-          try {
-            halt_thread_ = VmmThread([this] { HaltWatch(); });
-          } catch (const std::system_error&) {
-            no_watch = true;
-          }
+      std::lock_guard<std::mutex> l(halt_mu_);
+      halt_hint_ = true;
+      // The watch starts only now: a thread per VM that waits all its life costs a kernel stack
+      // and more. Kill() sets stop_flag_ before it takes halt_mu_, so none starts after Kill
+      // (stop_flag_ is read first: once it is set, Kill may be joining the thread outside the lock).
+      if (!stop_flag_ && !halt_thread_.joinable()) {
+        try {
+          halt_thread_ = VmmThread([this] { HaltWatch(); });
+        } catch (...) {
+          no_watch = true;
         }
-        halt_cv_.notify_all();
       }
-      // No thread to confirm it: the guest said it powers off, and only its own VM ends.
-      if (no_watch) RequestStop("poweroff", "the guest powered off (said on its console; no thread to confirm the halt)");
+      halt_cv_.notify_all();
     }
     on_event_(VmEvent{VmEvent::Type::kConsole, {}, {}, std::move(console_line_)});
     console_line_.clear();
+    // No thread to confirm it: the guest said it powers off, and only its own VM ends.
+    if (no_watch) RequestStop("poweroff", "the guest powered off (said on its console; no thread to confirm the halt)");
   }
 }
 
@@ -692,6 +689,7 @@ void Vm::WaitStopped() {
 }
 
 void Vm::HaltWatch() {
+  pthread_setname_np(pthread_self(), "halt-watch");  // (else it has its creator's name, a vCPU's)
   std::unique_lock<std::mutex> l(halt_mu_);
   halt_cv_.wait(l, [&] { return halt_hint_ || stop_flag_.load(); });
   // Up to ~2 s for every vCPU to reach its final halt after the message.
@@ -823,17 +821,6 @@ Vm::Stats Vm::GetStats() {
       npt = (l1 + l2 + l3 + (l3 ? 1 : 0)) * 4096;
     }
   }
-  // The host's page-table pages for the RAM mapping: one per 2 MiB span with a page present.
-  // KVM keeps its nested tables for the spans the guest touched, and does not free a table
-  // when reclaim zaps its entries: the leaf count above then falls short of what it holds.
-  uint64_t tables = 0;
-  try {
-    if (ram_.host()) tables = snapshot::CountPages(ram_.host(), ram_.size()).table_spans * 4096;
-  } catch (const std::system_error&) {
-    // (no pagemap: the figure is left out, as KVM's is without binary stats)
-  }
-  npt = std::max(npt, tables);
-  s.host_bytes = stacks + runs + npt + tables;
   static const char* kNames[kExitKinds] = {"exits_io", "exits_mmio", "exits_intr", "exits_hlt", "exits_shutdown",
                                            "exits_system_event", "exits_internal_error", "exits_fail_entry",
                                            "exits_other"};
@@ -851,8 +838,7 @@ Vm::Stats Vm::GetStats() {
   }
   s.counters.emplace_back("host_vcpu_stack_bytes", stacks);
   s.counters.emplace_back("host_kvm_run_bytes", runs);
-  s.counters.emplace_back("host_npt_bytes", npt);
-  s.counters.emplace_back("host_page_table_bytes", tables);
+  s.counters.emplace_back("host_npt_min_bytes", npt);
   return s;
 }
 

@@ -118,13 +118,11 @@ class Vm {
   struct Stats {
     uint64_t memory_bytes;
     uint64_t resident_bytes;  // guest pages backed by host memory
-    // Host memory of this VM outside guest RAM: its vCPU threads' stacks and
-    // kvm_run pages (resident), the host's page tables for the RAM mapping
-    // (pagemap: one page per 2 MiB span in use), and KVM's nested page table
-    // (the larger of the fewest tables that hold the entries KVM says it
-    // maps and those spans). Counters host_*_bytes too. Not counted: KVM's
-    // fixed structures per VM and vCPU (vmalloc, slab; see the README).
-    uint64_t host_bytes;
+    // Counters host_vcpu_stack_bytes and host_kvm_run_bytes (resident), and
+    // host_npt_min_bytes: the fewest table pages of KVM's nested page table
+    // that hold the entries KVM says it maps (0 where the kernel has no
+    // binary stats). The host's own page tables for guest RAM come from
+    // snapshot::MeasureGuestMemory (a pagemap walk, kept out of this cheap call).
     std::vector<std::pair<std::string, uint64_t>> counters;
   };
   Stats GetStats();

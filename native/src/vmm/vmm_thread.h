@@ -53,13 +53,14 @@ class VmmThread {
   bool joinable() const { return joinable_; }
   void join() {
     if (!joinable_) throw std::system_error(EINVAL, std::generic_category(), "join: no thread");
-    pthread_join(tid_, nullptr);
+    if (int e = pthread_join(tid_, nullptr)) throw std::system_error(e, std::generic_category(), "pthread_join");
     joinable_ = false;
   }
   pthread_t native_handle() const { return tid_; }
 
  private:
-  static void* Run(void* p) {
+  // An exception that escapes the body ends the process, as with std::thread.
+  static void* Run(void* p) noexcept {
     std::unique_ptr<std::function<void()>> body(static_cast<std::function<void()>*>(p));
     (*body)();
     return nullptr;

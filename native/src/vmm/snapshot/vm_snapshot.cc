@@ -438,11 +438,12 @@ MemoryUsage MeasureGuestMemory(const Vm& vm) {
   MemoryUsage u;
   const GuestRam& ram = vm.ram();
   if (!ram.host()) return u;
+  PageCounts c = CountPages(ram.host(), ram.size());
+  u.guest_table_bytes = c.table_spans * kPageSize;
   if (ram.shared()) {
     u.guest_memfd_bytes = ram.ResidentBytes();
     return u;
   }
-  PageCounts c = CountPages(ram.host(), ram.size());
   u.guest_private_bytes = c.private_pages * kPageSize;
   u.guest_shared_bytes = c.shared_pages * kPageSize;
   if (const PatternBacking* pb = vm.pattern()) u.guest_pattern_bytes = pb->pages().size() * kPageSize;

@@ -61,6 +61,7 @@ struct MemoryUsage {
   uint64_t guest_shared_bytes = 0;   // present pages shared with the page cache
   uint64_t guest_memfd_bytes = 0;    // a booted VM: pages its memfd holds
   uint64_t guest_pattern_bytes = 0;  // mapped from its pattern (written since or not)
+  uint64_t guest_table_bytes = 0;    // the host's page-table pages for the RAM: one per 2 MiB span in use
 };
 MemoryUsage MeasureGuestMemory(const Vm& vm);
 
