@@ -27,7 +27,7 @@
 // QEMU (seen in fork.test.ts's Linux reclaim test, now skipped in the lab, and
 // once in snapshot-vm.test.ts, 2026-11-30): after 690 s of silence the runner
 // boots the lab again for the unfinished files (LAB FROZEN), within the same
-// two reboots. Twice (2026-11-30) node itself died of SIGILL inside the lab
+// reboot budget (FORKLING_LAB_CRASH_REBOOTS). Twice (2026-11-30) node itself died of SIGILL inside the lab
 // ("trap invalid opcode" at an address in no file: V8's generated code, exit
 // 132, both times in server-kvm.test.ts, which passed in every other run): the
 // inner runner (test/run.mjs) now runs such a file once more (LAB SIGILL). The
