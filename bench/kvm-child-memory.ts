@@ -13,7 +13,13 @@
 // --no-reclaim (the engine's idle passes off: no page that holds the
 // template's bytes again is given back), --no-pattern (the passes do not map
 // what children hold alike from the template's pattern: pattern.ts),
-// --kernel-args '<extra guest kernel arguments for the template>'.
+// --kernel-args '<extra guest kernel arguments for the template>',
+// --trace-idle (which kernel variables an idle child writes: the bytes of the
+// guest kernel's data and bss are copied after the passes and compared 8 s
+// later, and each changed byte named by the symbol at or below it, so a
+// variable /proc/kallsyms does not list takes the name of the one before it;
+// a third child, forked with the others, tells where the kernel and its
+// symbols are; and what the pages made private again in those 8 s hold).
 import { createHash } from 'node:crypto';
 import { readFileSync, rmSync } from 'node:fs';
 import { parseArgs } from 'node:util';
@@ -30,6 +36,7 @@ const { values } = parseArgs({
     'no-reclaim': { type: 'boolean', default: false },
     'no-pattern': { type: 'boolean', default: false },
     'kernel-args': { type: 'string', default: '' },
+    'trace-idle': { type: 'boolean', default: false },
   },
 });
 
@@ -65,6 +72,53 @@ with open('/proc/kpageflags', 'rb') as f:
 print(json.dumps(out))
 `;
 
+/** Runs inside a child: the guest kernel's data and bss (physical) and its symbols' addresses in them. */
+const KERNEL_LAYOUT = `
+import json
+spans = {}
+for line in open('/proc/iomem'):
+    rng, _, name = line.strip().partition(' : ')
+    if name in ('Kernel code', 'Kernel data', 'Kernel bss'):
+        a, b = (int(x, 16) for x in rng.split('-'))
+        spans[name] = [a, b + 1]
+syms = []
+text = None
+for line in open('/proc/kallsyms'):
+    addr, kind, name = line.split()[:3]
+    if name == '_text':
+        text = int(addr, 16)
+    if kind in 'dDbB':
+        syms.append([int(addr, 16), name])
+print(json.dumps({'spans': spans, 'text': text, 'syms': sorted(syms)}))
+`;
+interface KernelLayout {
+  spans: Record<string, [number, number]>;
+  text: number;
+  syms: [number, string][];
+}
+
+/** The kernel variables (data and bss) whose bytes differ between `before` (copied at gpa `base`) and now. */
+function changedSymbols(vm: ReturnType<KvmSandbox['nativeVm']>, layout: KernelLayout, base: number, before: Buffer): Map<string, number> {
+  const now = vm.guestBytes(base, before.length);
+  // Physical to virtual: the kernel image is mapped as one block from _text ("Kernel code" starts there).
+  const delta = layout.text - layout.spans['Kernel code']![0];
+  const out = new Map<string, number>();
+  let j = 0;
+  const [d0, d1] = layout.spans['Kernel data']!;
+  const [b0, b1] = layout.spans['Kernel bss']!;
+  for (let i = 0; i < before.length; i++) {
+    if (before[i] === now[i]) continue;
+    // (between data and bss lie the init sections the kernel freed: pages it reuses for anything)
+    const pa = base + i;
+    if (!((pa >= d0 && pa < d1) || (pa >= b0 && pa < b1))) continue;
+    const va = pa + delta;
+    while (j + 1 < layout.syms.length && layout.syms[j + 1]![0] <= va) j++;
+    const name = layout.syms[j] && layout.syms[j]![0] <= va ? layout.syms[j]![1] : '?';
+    out.set(name, (out.get(name) ?? 0) + 1);
+  }
+  return out;
+}
+
 function frames(sb: KvmSandbox): number[] {
   return [...(sb.nativeVm().memoryUsage({ frames: true }).privateFrames ?? [])];
 }
@@ -94,7 +148,14 @@ try {
   );
   // Two siblings with the same history: the second is only read, to see which of the first's
   // private pages every child writes alike.
-  const [child, sibling] = await labRetry('fork', () => engine.fork(name, 2));
+  const [child, sibling, scout] = await labRetry('fork', () => engine.fork(name, values['trace-idle'] ? 3 : 2));
+  let layout: KernelLayout | null = null;
+  if (scout) {
+    const r = await scout.agent.exec(['python3', '-c', KERNEL_LAYOUT]);
+    if (r.exitCode !== 0) throw new Error(`reading the kernel's layout failed: ${new TextDecoder().decode(r.stderr)}`);
+    layout = JSON.parse(new TextDecoder().decode(r.stdout)) as KernelLayout;
+    await scout.kill();
+  }
   const sb = child!;
   const vm = sb.nativeVm();
   const rows: { what: string; priv: number; pattern: number; passes: number }[] = [];
@@ -105,20 +166,27 @@ try {
   row('restore answered (ready)');
   for (const k of [sb, sibling!]) if ((await k.agent.eval('1 + 1')).value !== 2) throw new Error('first eval: wrong answer');
   row('first eval answered');
+  // (passes after the eval: with --trace-idle the scout's request may let some run before it)
+  const passesBefore = sb.reclaimed.passes;
   // The engine's passes: the first after 1 s idle; the pattern is built meanwhile by a hidden
   // child (pattern.ts), and an idle child runs one more pass once it is there.
   if (patternOn) {
     await until('the pattern', () => !!engine.patternOf(name)?.layer || !!engine.patternOf(name)?.failed, 300_000);
     const failed = engine.patternOf(name)?.failed;
     if (failed) throw new Error(`building the pattern failed: ${failed}`);
-    await until('a pass with the pattern', () => sb.reclaimed.patternPages > 0 || !!sb.reclaimed.failed, 120_000);
+    await until('a pass with the pattern', () => (sb.reclaimed.patternPages > 0 && sb.reclaimed.passes > passesBefore) || !!sb.reclaimed.failed, 120_000);
   } else if (reclaimOn) {
-    await until('the first idle pass', () => sb.reclaimed.passes > 0 || !!sb.reclaimed.failed, 120_000);
+    await until('the first idle pass', () => sb.reclaimed.passes > passesBefore || !!sb.reclaimed.failed, 120_000);
   }
   if (sb.reclaimed.failed) throw new Error(`a reclaim pass failed: ${sb.reclaimed.failed}`);
   row('after the idle passes');
+  const passed = new Set(frames(sb));
+  const dataBase = layout?.spans['Kernel data']?.[0] ?? 0;
+  const dataEnd = layout?.spans['Kernel bss']?.[1] ?? 0;
+  const dataBefore = layout ? vm.guestBytes(dataBase, dataEnd - dataBase) : null;
   await new Promise((r) => setTimeout(r, 8000));
   const idle = frames(sb);
+  const changed = layout && dataBefore ? changedSymbols(vm, layout, dataBase, dataBefore) : null;
   const other = sibling!.nativeVm();
   const alike = idle.filter((f) => vm.guestBytes(f * 4096, 4096).equals(other.guestBytes(f * 4096, 4096))).length;
   row('idle 8 s later');
@@ -147,6 +215,16 @@ try {
   console.log(`  of the pages private at "idle 8 s later", ${alike * 4} KiB hold what a sibling with the same history holds at the same address, ${(idle.length - alike) * 4} KiB differ`);
   console.log('  what the pages private at "idle 8 s later" hold (guest /proc/kpageflags, /proc/iomem):');
   for (const [k, n] of Object.entries(kinds).sort((a, b) => b[1] - a[1])) console.log(`    ${k.padEnd(46)} ${String(n * 4).padStart(6)} KiB`);
+  if (changed) {
+    // The pages an idle child made private again within 8 s of its passes, and the kernel variables it wrote.
+    const fresh = idle.filter((f) => !passed.has(f));
+    const r2 = await sb.agent.exec(['python3', '-c', CLASSIFY], { stdin: new TextEncoder().encode(JSON.stringify(fresh)) });
+    const freshKinds = r2.exitCode === 0 ? (JSON.parse(new TextDecoder().decode(r2.stdout)) as Record<string, number>) : {};
+    console.log(`  private again within 8 s of the passes: ${fresh.length * 4} KiB (${idle.length * 4} KiB private then, ${passed.size * 4} KiB after the passes)`);
+    for (const [k, n] of Object.entries(freshKinds).sort((a, b) => b[1] - a[1])) console.log(`    ${k.padEnd(46)} ${String(n * 4).padStart(6)} KiB`);
+    console.log(`  kernel variables (data, bss) whose bytes changed in those 8 s, bytes changed:`);
+    for (const [k, n] of [...changed].sort((a, b) => b[1] - a[1]).slice(0, 40)) console.log(`    ${k.padEnd(46)} ${String(n).padStart(6)}`);
+  }
   await Promise.all([sb.kill(), sibling!.kill()]);
 } finally {
   await engine.close();
