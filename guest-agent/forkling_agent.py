@@ -319,7 +319,7 @@ class Connection:
     def dispatch(self, frame):
         agent = self.agent
         agent.frames += 1
-        if agent.service_asleep:  # (read after the count: see forkling_zygote._may_sleep)
+        if agent.service_asleep:  # (read after the count: see sleep_kids)
             agent.service_asleep = False
             try:
                 os.eventfd_write(agent.service_wake_fd, 1)
@@ -2161,11 +2161,93 @@ def zombie_children(ppid):
 def reaper():
     """PID 1 adopts orphans: reap zombies we did not start. A zombie child we
     do not track is reaped once seen twice (0.5 s apart), which gives code
-    that waits for its own children (subprocess in an eval) time to do so."""
+    that waits for its own children (subprocess in an eval) time to do so.
+    While the agent is idle with no zombie about, it sleeps with no timeout
+    until a client frame (agent.service_wake_fd, written by
+    Connection.dispatch) or the exit of one of its children (a pidfd of each:
+    sleep_kids) wakes it: a tick every 0.5 s wrote, and so copied in every
+    forked VM, pages of Python and of the kernel while the sandbox idled."""
+    wake = None
     seen = set()
     while True:
-        time.sleep(0.5)
+        agent = AGENT
+        kids = None
+        if agent is not None and not seen:
+            if wake is None and agent.service_wake_fd is None:
+                wake = agent.service_wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+            if wake is not None and agent.service_wake_fd == wake and agent.idle():
+                frames = agent.frames
+                kids = sleep_kids(agent)  # (marks it asleep: a frame counted from now on wakes it)
+                if kids is not None and (agent.frames != frames or not agent.idle()):
+                    agent.service_asleep = False
+                    for fd in kids:
+                        os.close(fd)
+                    kids = None
+        if kids is None:
+            time.sleep(0.5)
+        else:
+            try:
+                poller = select.poll()
+                for fd in [wake, *kids]:
+                    poller.register(fd, select.POLLIN)
+                poller.poll()
+            finally:
+                agent.service_asleep = False
+                try:
+                    os.eventfd_read(wake)
+                except OSError:
+                    pass
+                for fd in kids:
+                    os.close(fd)
         seen = reap_tick(seen)
+
+
+MAX_SLEEP_KIDS = 64
+
+
+def sleep_kids(agent):
+    """Whether a service thread (this reaper; a process-engine child's
+    service thread) may sleep with no timeout: None if not (a zombie to
+    reap, too many children), else the pidfds of our child processes (its
+    branches, processes evals left running), each of which wakes it when that
+    child exits (its orphans then become ours: the next sleep watches them).
+    Marks it asleep before the caller reads agent.frames, so that a frame
+    counted after that read wakes it (Connection.dispatch counts, then looks)."""
+    fds = []
+    if IS_PID1:
+        try:
+            if os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return None  # a zombie: reaped by ticks (reap_tick waits to see it twice)
+            pids = children_pids()
+        except ChildProcessError:
+            pids = ()
+        if pids is None or len(pids) > MAX_SLEEP_KIDS:
+            return None
+        try:
+            for pid in pids:
+                fds.append(os.pidfd_open(pid))
+        except OSError:  # (one exited meanwhile: tick)
+            for fd in fds:
+                os.close(fd)
+            return None
+    agent.service_asleep = True
+    return fds
+
+
+def children_pids():
+    """Pids of this process's children (of all its threads), or None if /proc does not say."""
+    pids = []
+    try:
+        for tid in os.listdir('/proc/self/task'):
+            try:
+                with open('/proc/self/task/%s/children' % tid, 'rb') as fh:
+                    pids.extend(int(p) for p in fh.read().split())
+            except FileNotFoundError:
+                if os.path.exists('/proc/self/task/%s' % tid):
+                    return None  # (a kernel without it)
+    except (OSError, ValueError):
+        return None
+    return pids
 
 
 def reap_tick(seen):

@@ -1259,7 +1259,7 @@ def _service(agent, lsock):
     sandbox is idle and has given back its copies (forkling_memfile), with
     no zombie left to reap, it sleeps with no timeout until a connection,
     output, a client frame (agent.service_wake_fd) or the exit of a child
-    process (a pidfd of each: _may_sleep) comes: each tick would write
+    process (a pidfd of each: forkling_agent.sleep_kids) comes: each tick would write
     ~100 KiB of the pages just given back again."""
     poller = select.poll()
     watched = []  # what poller has, for a sleep in C (forkling_memfile.when_idle)
@@ -1352,7 +1352,7 @@ def _service(agent, lsock):
         if _agent_mod.IS_PID1:
             seen = _agent_mod.reap_tick(seen)
         if not events:  # a quiet tick: once the sandbox has been idle a whole one, its copies equal to the template's go
-            kids = _may_sleep(agent) if unclaimed_until is None else None
+            kids = _agent_mod.sleep_kids(agent) if unclaimed_until is None else None
             sleep = kids is not None
             settled = forkling_memfile.when_idle(agent.frames, agent.idle(), _agent_mod.log, watched + kids if sleep else ())
             if sleep and settled:
@@ -1364,54 +1364,6 @@ def _service(agent, lsock):
                 for fd in kids or ():
                     os.close(fd)
                 kids = []
-
-
-MAX_SLEEP_KIDS = 64
-
-
-def _may_sleep(agent):
-    """Whether the service thread may sleep with no timeout: None if not (a
-    zombie to reap, too many children), else the pidfds of our child
-    processes (its branches, processes evals left running), each of which
-    wakes it when that child exits (its orphans then become ours: the next
-    sleep watches them). Marks it asleep before the caller reads
-    agent.frames, so that a frame counted after that read wakes it
-    (Connection.dispatch counts, then looks)."""
-    fds = []
-    if _agent_mod.IS_PID1:
-        try:
-            if os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-                return None  # a zombie: reaped by ticks (reap_tick waits to see it twice)
-            pids = _children()
-        except ChildProcessError:
-            pids = ()
-        if pids is None or len(pids) > MAX_SLEEP_KIDS:
-            return None
-        try:
-            for pid in pids:
-                fds.append(os.pidfd_open(pid))
-        except OSError:  # (one exited meanwhile: tick)
-            for fd in fds:
-                os.close(fd)
-            return None
-    agent.service_asleep = True
-    return fds
-
-
-def _children():
-    """Pids of this process's children (of all its threads), or None if /proc does not say."""
-    pids = []
-    try:
-        for tid in os.listdir('/proc/self/task'):
-            try:
-                with open('/proc/self/task/%s/children' % tid, 'rb') as fh:
-                    pids.extend(int(p) for p in fh.read().split())
-            except FileNotFoundError:
-                if os.path.exists('/proc/self/task/%s' % tid):
-                    return None  # (a kernel without it)
-    except (OSError, ValueError):
-        return None
-    return pids
 
 
 # ------------------------------------------------------------------ branch: copy a layer

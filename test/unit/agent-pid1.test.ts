@@ -68,6 +68,16 @@ test('reaps orphans, and leaves the exit status of children that code waits for'
   assert.is(rc.value, 7, 'a child waited for by eval code keeps its exit status');
 });
 
+test('an idle agent, asleep with no tick, still reaps an orphan that exits meanwhile (its pidfd wakes the reaper)', async () => {
+  const r = await c.exec(['sh', '-c', 'sleep 0.5 & echo $!']);
+  const orphan = Number(text(r.stdout).trim());
+  assert.ok(orphan > 1);
+  // No request meanwhile: one would wake the reaper by itself. Seen twice 0.5 s apart, then reaped.
+  await new Promise((res) => setTimeout(res, 2500));
+  const gone = await c.eval(`not __import__('os').path.exists('/proc/${orphan}')`);
+  assert.is(gone.value, true, 'the orphan that exited while the agent idled is still there');
+});
+
 test('restore sets the hostname (in its UTS namespace) and adds entropy', async () => {
   const hostBefore = hostname();
   const r = await c.restore({ hostname: 'child-7', entropy: randomBytes(32), sandboxId: 'sb-7' });
