@@ -320,8 +320,9 @@ async function linux(): Promise<void> {
       const all = performance.now() - t;
       const after = hostMemory();
       const ready = kids.map((k) => k.timings.readyAt - k.timings.startedAt);
-      const priv = await Promise.all(kids.map(async (k) => (await k.stats()).counters.guestPrivateKiB!));
-      const engineHost = await Promise.all(kids.map(async (k) => (await k.stats()).counters.hostKiB!));
+      const atEval = await Promise.all(kids.map((k) => k.stats()));
+      const priv = atEval.map((s) => s.counters.guestPrivateKiB!);
+      const engineHost = atEval.map((s) => s.counters.hostKiB!);
       const host = hostPerChild(before, after, n, priv.reduce((a, b) => a + b, 0));
       // The same children idle a while later (the guest kernel's timers, the
       // agent's threads), after the engine's own reclaim passes (at
@@ -332,8 +333,9 @@ async function linux(): Promise<void> {
         !!k.reclaimed.failed || (k.reclaimed.passes > 0 && (values['no-pattern'] || k.reclaimed.patternPasses > 0 || !!engine.patternOf(name)?.failed));
       while (!kids.every(settled) && performance.now() < idleDeadline) await new Promise((r) => setTimeout(r, 200));
       await new Promise((r) => setTimeout(r, 1000));
-      const idle = await Promise.all(kids.map(async (k) => (await k.stats()).counters.guestPrivateKiB!));
-      const fromPattern = await Promise.all(kids.map(async (k) => (await k.stats()).counters.patternKiB!));
+      const atIdle = await Promise.all(kids.map((k) => k.stats()));
+      const idle = atIdle.map((s) => s.counters.guestPrivateKiB!);
+      const fromPattern = atIdle.map((s) => s.counters.patternKiB!);
       const patternNote = engine.patternOf(name)?.layer
         ? `, ${f(fromPattern.reduce((a, b) => a + b, 0) / n)} KiB mapped from the pattern (one ${f(engine.patternOf(name)!.layer!.pageCount * 4)} KiB file)`
         : `, no pattern (${values['no-pattern'] ? '--no-pattern' : (engine.patternOf(name)?.failed ?? 'not built')})`;

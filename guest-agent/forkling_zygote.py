@@ -1246,7 +1246,6 @@ def _listen(agent, path):
     # (a branch's: its source's; a fork's: the zygote reaper's, whose thread a fork does not have)
     for fd in {STATE['wake_fd'], agent.service_wake_fd} - {None}:
         os.close(fd)
-    STATE['wake_fd'] = None
     agent.service_asleep = False
     STATE['wake_fd'] = agent.service_wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
     _bare_thread(_service, agent, s)
