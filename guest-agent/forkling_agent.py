@@ -2172,7 +2172,9 @@ def reaper():
     while True:
         agent = AGENT
         kids = None
-        if agent is not None and not seen:
+        # (not in a process engine's zygote: its forks inherit its fds, and each runs a service
+        # thread that sleeps this way itself)
+        if agent is not None and not seen and 'FORKLING_PROCESS_ROLE' not in os.environ:
             if wake is None and agent.service_wake_fd is None:
                 wake = agent.service_wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
             if wake is not None and agent.service_wake_fd == wake and agent.idle():

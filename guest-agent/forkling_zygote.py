@@ -1243,8 +1243,8 @@ def _listen(agent, path):
     s.bind(path)
     s.listen(128)
     agent.listeners.append(s)
-    # (a branch's: its source's; a fork's: the zygote reaper's, whose thread a fork does not have)
-    for fd in {STATE['wake_fd'], agent.service_wake_fd} - {None}:
+    fd, STATE['wake_fd'] = STATE['wake_fd'], None  # (a branch's: its source's)
+    if fd is not None:
         os.close(fd)
     agent.service_asleep = False
     STATE['wake_fd'] = agent.service_wake_fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
