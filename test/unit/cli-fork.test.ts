@@ -1,6 +1,7 @@
 // `forkling fork` with the process engine: the report's fields (--json) and
 // its table, and a bad option's one clear error.
-import { spawnSync } from 'node:child_process';
+import { spawn, spawnSync } from 'node:child_process';
+import { readdirSync, readFileSync } from 'node:fs';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import { ensureImage } from '../../host/images.ts';
@@ -40,6 +41,47 @@ test('fork: -n out of range is one clear error', () => {
   const r = cli('default', '-n', '0');
   assert.is(r.status, 2);
   assert.match(r.stderr, /-n|n must/);
+});
+
+/** Host pids of the processes in sandbox `id`'s cgroup (its cgroup's name is the sandbox id). */
+function pidsOf(id: string): number[] {
+  const out: number[] = [];
+  for (const d of readdirSync('/proc')) {
+    if (!/^\d+$/.test(d)) continue;
+    try {
+      if (readFileSync(`/proc/${d}/cgroup`, 'utf8').split('\n').some((l) => l.endsWith(`/${id}`))) out.push(Number(d));
+    } catch {} // (gone meanwhile)
+  }
+  return out;
+}
+
+test('fork --keep: the children run until Ctrl-C, then the command ends them and exits 0', async () => {
+  const p = spawn(process.execPath, ['bin/forkling.mjs', 'fork', 'default', '-n', '2', '--eval', '1', '--json', '--keep'], { env, stdio: ['ignore', 'pipe', 'pipe'] });
+  let out = '';
+  let err = '';
+  p.stdout.on('data', (d) => (out += d));
+  const exited = new Promise<number | null>((resolve) => p.on('exit', (code) => resolve(code)));
+  try {
+    await new Promise<void>((resolve, reject) => {
+      const t = setTimeout(() => reject(new Error(`no "children running" line within 120 s: ${err}`)), 120_000);
+      p.stderr.on('data', (d) => {
+        err += d;
+        if (/2 children running; Ctrl-C ends them/.test(err)) {
+          clearTimeout(t);
+          resolve();
+        }
+      });
+      void exited.then((code) => reject(new Error(`fork --keep exited (${code}) before Ctrl-C: ${err}`)));
+    });
+    const ids = (JSON.parse(out).children as { id: string }[]).map((c) => c.id);
+    assert.is(ids.length, 2);
+    for (const id of ids) assert.ok(pidsOf(id).length > 0, `sandbox ${id} runs while the command waits`);
+    p.kill('SIGINT');
+    assert.is(await exited, 0, err);
+    for (const id of ids) assert.equal(pidsOf(id), [], `sandbox ${id} ended with the command`);
+  } finally {
+    p.kill('SIGKILL');
+  }
 });
 
 test.run();
