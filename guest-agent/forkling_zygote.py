@@ -209,8 +209,12 @@ def op_branch(agent, conn, f):
     if ROLE != 'sandbox':
         _refuse('branch')
     children = _check_children(f['children'])
+    held = None
+    if f.get('hold') is True:  # each child waits to be placed (HOLD_SIGNAL) before it copies anything
+        def held(ch, pid):
+            conn.send({'t': 'ev', 'id': f['id'], 'ev': 'forked', 'child': ch['id'], 'pid': pid})
     with _lock:
-        return {'children': _spawn(agent, children, branch=True, fork=os.fork)}
+        return {'children': _spawn(agent, children, branch=True, fork=os.fork, held=held)}
 
 
 def _check_children(children):
@@ -739,18 +743,32 @@ def _reap_children():
 # ------------------------------------------------------------------ fork
 
 
-def _spawn(agent, children, branch, fork):
+def _spawn(agent, children, branch, fork, held=None):
     _setup_plan()  # here, once: every child inherits it
     inherited = None if branch else STATE.get('inherited')  # (a branch child takes its own: _child_main)
     if STATE['pidns_fd'] is None:
         STATE['pidns_fd'] = os.open('/proc/self/ns/pid', os.O_RDONLY | os.O_CLOEXEC)
     results = {}
-    pending = _fork_in_python(agent, children, branch, fork, inherited, results)
+    if held is not None:  # (blocked in this thread across the forks: a child takes it with sigtimedwait)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {HOLD_SIGNAL})
+    try:
+        pending = _fork_in_python(agent, children, branch, fork, inherited, results, held)
+    finally:
+        if held is not None:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {HOLD_SIGNAL})
     return _wait_ready(pending, results, children)
 
 
-def _fork_in_python(agent, children, branch, fork, inherited, results):
-    """Forks each child in turn (fork: os.fork, or _fork_child); returns [(child, pid, ready pipe, t0)]."""
+# A held branch child (the host's `hold`) waits for this signal, which the host sends once it
+# has moved the child into its own cgroup: what the child then copies (its source's writable
+# layer, shared memory) is charged to its own memory limit, not its source's. (SIGRTMAX is
+# forkling_reclaim's; SIGRTMAX - 1 is unused by glibc and CPython.)
+HOLD_SIGNAL = signal.SIGRTMAX - 1
+
+
+def _fork_in_python(agent, children, branch, fork, inherited, results, held=None):
+    """Forks each child in turn (fork: os.fork, or _fork_child); returns [(child, pid, ready pipe, t0)].
+    held(child, pid): each child forked waits for HOLD_SIGNAL first; called once it is forked."""
     # What this process runs between two forks, and after the last, makes
     # its pages a copy of its own, so the child forked before keeps the
     # original alone (private memory): little Python here, none of it new.
@@ -782,9 +800,11 @@ def _fork_in_python(agent, children, branch, fork, inherited, results):
             for _, _, other_r, _ in pending:  # earlier siblings' ready pipes are not ours to read
                 os.close(other_r)
             os.close(r)
-            _child_main(agent, ch, w, branch, inherited)  # never returns
+            _child_main(agent, ch, w, branch, inherited, held=held is not None)  # never returns
         os.close(w)
         pending.append((ch, pid, r, t0))
+        if held is not None:
+            held(ch, pid)
     return pending
 
 
@@ -905,10 +925,17 @@ def _kill(pid):
         pass
 
 
-def _child_main(agent, ch, w, branch, inherited, done=None):
+def _child_main(agent, ch, w, branch, inherited, done=None, held=False):
     """In the new child (PID 1 of its pid namespace): set up (unless done, in
-    C: (error or None, fd of the new upper)), listen, say ok on w, serve."""
+    C: (error or None, fd of the new upper)), listen, say ok on w, serve.
+    held: first wait until the host has placed it (HOLD_SIGNAL)."""
     global _lock
+    if held:
+        placed = signal.sigtimedwait({HOLD_SIGNAL}, READY_TIMEOUT_S)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {HOLD_SIGNAL})
+        if placed is None:
+            os.write(w, b'not placed in its cgroup by the host within %ds' % READY_TIMEOUT_S)
+            os._exit(1)
     server_sock, STATE['in_server'] = STATE['in_server'], None
     if server_sock is not None:  # forked by the fork server, which reset the agent already
         os.close(server_sock.detach())  # the server's, not ours: the zygote must see EOF when the server is gone

@@ -103,6 +103,12 @@ const ForkArgs = Type.Object({
     { minItems: 0, maxItems: 1024 },
   ),
 });
+// A branch's children are charged to the source's cgroup until the host
+// moves them to their own. With hold, each child waits (for the host's signal
+// once it has moved it) before it copies the source's writable layer, and the
+// source tells the host each child's pid as soon as it is forked.
+const BranchArgs = Type.Composite([ForkArgs, Type.Object({ hold: Type.Optional(Type.Boolean()) })]);
+const BranchEvents = { forked: Type.Object({ child: Type.String(), pid: Type.Integer() }) };
 const ForkResult = Type.Object({
   children: Type.Array(
     Type.Object({
@@ -285,7 +291,7 @@ export const OPS = {
   ),
   shutdown: op(Type.Object({ reboot: Type.Optional(Type.Boolean()) }), Done),
   fork: op(ForkArgs, ForkResult),
-  branch: op(ForkArgs, ForkResult),
+  branch: op(BranchArgs, ForkResult, BranchEvents),
 } as const;
 
 export type OpName = keyof typeof OPS;

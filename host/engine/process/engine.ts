@@ -49,6 +49,8 @@ const SPAWN_ANSWER_MS = 60_000;
  * kernel.core_pattern through a /proc of its own: a way out of the sandbox).
  */
 const DEFAULT_ID_BASE = 0x6f000000;
+/** What a held branch child waits for once it is in its own cgroup: SIGRTMAX - 1 (guest-agent/forkling_zygote.py's HOLD_SIGNAL). */
+const HOLD_SIGNAL = 63;
 /** Most spare forks per template (each holds a child's memory). */
 const MAX_SPARES = 1024;
 /** Children per fork request to a zygote (measured: 25 beat 10, 50 and one request for 100 on 2 cores). */
@@ -890,14 +892,43 @@ export class ProcessEngine implements Engine {
     };
     const ids = Array.from({ length: n }, newId);
     const op = sub === 's' ? 'fork' : 'branch';
-    // (bounded: a branch's source is user code, which may never answer; a fork server waits READY_TIMEOUT_S for its children)
-    const reply = parent.request(op, { children: ids.map((id) => ({ id, hostname: id })) }, { timeoutMs: SPAWN_ANSWER_MS });
-    // While the parent forks: the children's cgroups.
+    const children = ids.map((id) => ({ id, hostname: id }));
     const cgroups = new Map<string, Cgroup | null>();
     const made: ProcessSandbox[] = [];
     let slowestMoveMs = 0; // (the first move after a quiet spell may wait for an RCU grace period: doctor's "cgroup moves")
     // The parent's children found (by pidfd), not sandboxes yet: killed if we give up on them.
     const found = new Map<number, ProcessRef>();
+    const placed = new Set<string>(); // children already in their own cgroups
+    const taken = this.hostPids();
+    const place = (id: string, ref: ProcessRef) => {
+      const cg = cgroups.get(id);
+      const at = performance.now();
+      if (cg) this.cgroups.enter(cg, ref.pid);
+      slowestMoveMs = Math.max(slowestMoveMs, performance.now() - at);
+      placed.add(id);
+    };
+    // A branch child is charged to its source's cgroup until it is in its own, and the copy of
+    // the source's writable layer it makes can be as large as the source's memory limit: held
+    // (hold), each child waits until we have moved it and sent it HOLD_SIGNAL, and the source
+    // says each child's pid (event forked) as soon as it is forked.
+    const onForked = (ev: { ev: 'forked'; child: string; pid: number }) => {
+      if (!cgroups.has(ev.child) || placed.has(ev.child) || found.has(ev.pid)) return; // (not asked for, or twice: the answer is checked)
+      const ref = forksByNsPid(parentPid, new Set([ev.pid]), false).get(ev.pid);
+      if (!ref) return; // (gone, or not a fork of the source: it fails at its time limit, and the answer says so)
+      if (taken.has(ref.pid)) {
+        ref.release(); // (another sandbox of ours: refused again with the answer)
+        return;
+      }
+      found.set(ev.pid, ref);
+      place(ev.child, ref);
+      ref.signal(HOLD_SIGNAL);
+    };
+    const hold = sub === 'b' && this.cgroups.mode !== 'none';
+    // (bounded: a branch's source is user code, which may never answer; a fork server waits READY_TIMEOUT_S for its children)
+    const reply =
+      sub === 'b'
+        ? parent.request('branch', { children, ...(hold ? { hold } : {}) }, { timeoutMs: SPAWN_ANSWER_MS, ...(hold ? { onEvent: onForked } : {}) })
+        : parent.request('fork', { children }, { timeoutMs: SPAWN_ANSWER_MS });
     const killFound = () => {
       for (const ref of found.values()) {
         ref.signal('SIGKILL');
@@ -906,16 +937,15 @@ export class ProcessEngine implements Engine {
       found.clear();
     };
     try {
+      // While the parent forks: the children's cgroups (made before any event of the request is handled).
       for (const id of ids) cgroups.set(id, this.cgroups.create(id, limits));
       const cgroupsAt = performance.now();
       const res = await reply;
       const replyAt = performance.now();
       // The parent (a branch's source: a sandbox) must answer for exactly the children asked for, once each.
       const answered = res.children.map((c) => c.id);
-      const taken = this.hostPids();
-      for (const [nsPid, ref] of forksByNsPid(parentPid, new Set(res.children.flatMap((c) => (c.ok && c.pid !== undefined ? [c.pid] : []))), sub === 's')) {
-        found.set(nsPid, ref);
-      }
+      const unseen = new Set(res.children.flatMap((c) => (c.ok && c.pid !== undefined && !found.has(c.pid) ? [c.pid] : [])));
+      for (const [nsPid, ref] of forksByNsPid(parentPid, unseen, sub === 's')) found.set(nsPid, ref);
       // A branch's source (user code in its PID 1) chooses the pids it answers with: never one
       // of a sandbox we already have (we would move, restore and on failure kill it).
       const foreign = new Map<number, number>();
@@ -941,9 +971,7 @@ export class ProcessEngine implements Engine {
             const cg = cgroups.get(c.id) ?? null;
             let agent: AgentClient;
             try {
-              const moveAt = performance.now();
-              if (cg) this.cgroups.enter(cg, ref.pid);
-              slowestMoveMs = Math.max(slowestMoveMs, performance.now() - moveAt);
+              if (!placed.has(c.id)) place(c.id, ref);
               // (connectAgent checks that the child itself listens there: a branch's source can reach its branches' roots)
               agent = await connectAgent(ref.pid, { restore: { entropy: randomBytes(64), hostname: c.id, sandboxId: c.id }, expectId: c.id });
             } catch (e) {

@@ -59,10 +59,10 @@ export class ProcessRef {
     return !this.gone && this.fd >= 0;
   }
 
-  /** Sends `signal` to this process only: false if it has exited (or was released). */
-  signal(signal: NodeJS.Signals): boolean {
+  /** Sends `signal` (a name, or a number such as a real-time signal's) to this process only: false if it has exited (or was released). */
+  signal(signal: NodeJS.Signals | number): boolean {
     if (this.fd < 0) return false;
-    return sandboxAddon().sandboxSignal(this.fd, constants.signals[signal]);
+    return sandboxAddon().sandboxSignal(this.fd, typeof signal === 'number' ? signal : constants.signals[signal]);
   }
 
   /** Closes the pidfd (an exit watch started goes on with its own copy); signal() is a no-op after. */
