@@ -614,6 +614,22 @@ test("BRANCH of a sandbox with a large writable layer: each child's copy is char
   }
 });
 
+test("many live forks of a small template: what each wrote before it left the zygote's cgroup does not exhaust the zygote's limit", async () => {
+  // Each fork's set-up pages stay charged to the zygote's cgroup (~1 MiB a fork): 120 of a 128 MiB
+  // template went over its limit, and the kernel killed processes in it, before the engine raised it.
+  const name = `${TEMPLATE}-small`;
+  await engine.createTemplate({ name, image: 'default', memoryMiB: 128 });
+  const kids: Sandbox[] = [];
+  try {
+    kids.push(...(await engine.fork(name, 120)));
+    const answers = await Promise.all(kids.map((k) => val(k.agent, '6 * 7')));
+    assert.ok(answers.every((a) => a === 42));
+  } finally {
+    await Promise.all(kids.map((k) => k.kill()));
+    rmSync(storePath('process-templates', `${name}.json`), { force: true });
+  }
+});
+
 /** Python for a source sandbox: branch_pid(), the pid (in its namespace) of its one branch (the only other PID 1 it sees). */
 const BRANCH_PID_PY = `def branch_pid():
     for p in os.listdir('/proc'):

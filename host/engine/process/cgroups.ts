@@ -304,6 +304,22 @@ export class CgroupTree {
     return cg;
   }
 
+  /** Sets the cgroup's memory limit (with swap, where the kernel accounts it, to the same: as create()). */
+  setMemoryLimit(cg: Cgroup, bytes: number): void {
+    for (const d of cg.dirs) {
+      if (existsSync(join(d, 'memory.limit_in_bytes'))) {
+        // v1: memory + swap is never below memory alone: raised first, lowered last
+        const memsw = join(d, 'memory.memsw.limit_in_bytes');
+        const raise = existsSync(memsw) && bytes > Number(readFileSync(memsw, 'utf8'));
+        if (raise) writeFileSync(memsw, String(bytes));
+        writeFileSync(join(d, 'memory.limit_in_bytes'), String(bytes));
+        if (existsSync(memsw) && !raise) writeFileSync(memsw, String(bytes));
+      } else if (existsSync(join(d, 'memory.max'))) {
+        writeFileSync(join(d, 'memory.max'), String(bytes));
+      }
+    }
+  }
+
   /** Moves a process (and later its children) into the cgroup. */
   enter(cg: Cgroup, pid: number): void {
     for (const f of cg.procs) writeFileSync(f, String(pid));

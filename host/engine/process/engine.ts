@@ -51,6 +51,17 @@ const SPAWN_ANSWER_MS = 60_000;
 const DEFAULT_ID_BASE = 0x6f000000;
 /** What a held branch child waits for once it is in its own cgroup: SIGRTMAX - 1 (guest-agent/forkling_zygote.py's HOLD_SIGNAL). */
 const HOLD_SIGNAL = 63;
+/**
+ * What a fork writes before the host moves it into its own cgroup is charged
+ * to the zygote's, and stays charged there while the fork lives (memory is not
+ * moved with a process): 0.9-1.5 MiB per live fork, measured (2026-12-02). At
+ * ~500 live forks of a 512 MiB template the zygote's cgroup ran out and the
+ * kernel killed processes in it. So its limit is the template's plus this much
+ * for each fork that may be alive (raised before each request, never lowered:
+ * what the warm-up's own threads could take beyond the template's limit is
+ * bounded by the forks the user has made).
+ */
+const FORK_SETUP_BYTES = 3 * 2 ** 20;
 /** Most spare forks per template (each holds a child's memory). */
 const MAX_SPARES = 1024;
 /** Children per fork request to a zygote (measured: 25 beat 10, 50 and one request for 100 on 2 cores). */
@@ -123,6 +134,8 @@ interface Zygote extends Root {
   requests: Gate;
   /** The template frozen and the fork server started (a fork with no children): prepare(). */
   prepared: Promise<void> | null;
+  /** The memory limit of its cgroup now: the template's, plus FORK_SETUP_BYTES for each fork (see forkAllowance). */
+  memoryLimit: number;
 }
 
 /** At most n holders at a time, first come first served. */
@@ -705,7 +718,7 @@ export class ProcessEngine implements Engine {
       await this.destroyRoot(root);
       throw e;
     }
-    const z: Zygote = { ...root, info, client, limits, dead: false, spares: [], refilling: null, refillNow: null, requests: new Gate(2), prepared: null };
+    const z: Zygote = { ...root, info, client, limits, dead: false, spares: [], refilling: null, refillNow: null, requests: new Gate(2), prepared: null, memoryLimit: limits.memoryBytes };
     void client.closed
       .then(() => {
         z.dead = true;
@@ -893,6 +906,7 @@ export class ProcessEngine implements Engine {
     const ids = Array.from({ length: n }, newId);
     const op = sub === 's' ? 'fork' : 'branch';
     const children = ids.map((id) => ({ id, hostname: id }));
+    if (!source) this.forkAllowance(zygote!, n);
     const cgroups = new Map<string, Cgroup | null>();
     const made: ProcessSandbox[] = [];
     let slowestMoveMs = 0; // (the first move after a quiet spell may wait for an RCU grace period: doctor's "cgroup moves")
@@ -1012,6 +1026,20 @@ export class ProcessEngine implements Engine {
       await reply.catch(() => {});
       for (const cg of cgroups.values()) if (cg) await this.cgroups.remove(cg).catch(() => {});
       throw e;
+    }
+  }
+
+  /** Raises the zygote's memory limit for `n` more forks (FORK_SETUP_BYTES each) beside those alive now. */
+  private forkAllowance(z: Zygote, n: number): void {
+    if (!z.cgroup) return;
+    const live = [...this.sandboxes, ...this.holding].filter((s) => s.zygote === z).length + z.spares.length;
+    const want = z.limits.memoryBytes + (live + n + 1) * FORK_SETUP_BYTES; // (+1: the template's pattern child)
+    if (want <= z.memoryLimit) return;
+    try {
+      this.cgroups.setMemoryLimit(z.cgroup, want);
+      z.memoryLimit = want;
+    } catch (e) {
+      this.warn(`forkling: raising the memory limit of the zygote of ${z.info.name} for its forks failed: ${(e as Error).message}`);
     }
   }
 
