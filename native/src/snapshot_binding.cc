@@ -30,6 +30,15 @@ namespace {
 
 namespace ss = vmm::snapshot;
 
+// Closes an fd at the end of its scope.
+struct FdCloser {
+  int fd;
+  explicit FdCloser(int f) : fd(f) {}
+  ~FdCloser() { close(fd); }
+  FdCloser(const FdCloser&) = delete;
+  FdCloser& operator=(const FdCloser&) = delete;
+};
+
 // Runs fn, turning C++ exceptions into JS errors (CorruptError keeps
 // code 'ECORRUPT' so callers can tell a bad file from a failed syscall).
 template <class Fn>
@@ -433,12 +442,16 @@ void InitSnapshot(Napi::Env env, Napi::Object exports) {
   }));
   s.Set("scanMemoryFile", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
     return Guard(info.Env(), [&]() -> Napi::Value {
-      return InfoToJs(info.Env(), ss::ScanMemoryFile(info[0].As<Napi::String>(), info[1].As<Napi::String>()));
+      const std::string path = info[0].As<Napi::String>(), what = info[1].As<Napi::String>();
+      FdCloser fd(ss::OpenMemoryFile(path, what));
+      return InfoToJs(info.Env(), ss::ScanMemoryFile(fd.fd, path, what));
     });
   }));
   s.Set("verifyMemoryFile", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
     return Guard(info.Env(), [&]() -> Napi::Value {
-      ss::VerifyMemoryFile(info[0].As<Napi::String>(), InfoFromJs(info[1]), info[2].As<Napi::String>());
+      const std::string path = info[0].As<Napi::String>(), what = info[2].As<Napi::String>();
+      FdCloser fd(ss::OpenMemoryFile(path, what));
+      ss::VerifyMemoryFile(fd.fd, path, InfoFromJs(info[1]), what);
       return info.Env().Undefined();
     });
   }));

@@ -1,7 +1,8 @@
 // Snapshot file formats without KVM: the state-file container, the sparse
 // memory file and its checksum, pagemap accounting of private pages, and diff
 // layers (write, map over a base, chains of depth 9, collapse, corruption).
-import { closeSync, fstatSync, mkdtempSync, openSync, readFileSync, rmSync, statSync, truncateSync, writeFileSync, writeSync } from 'node:fs';
+import { spawnSync } from 'node:child_process';
+import { chmodSync, closeSync, fstatSync, mkdirSync, mkdtempSync, openSync, readFileSync, rmSync, statSync, truncateSync, writeFileSync, writeSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { test } from 'uvu';
@@ -120,6 +121,17 @@ test('memory file: sparse, holes for zero pages, checksum verified, corruption r
   throwsCorrupt(() => s.verifyMemoryFile(path, info, 'template m'), /has 409600 bytes, the state file says 1048576 \(truncated\)/);
   rmSync(path);
   throwsCorrupt(() => s.verifyMemoryFile(path, info, 'template m'), /memory file .* is missing/);
+  // What another user may write, a FIFO (which would block the reader for good) and a directory are refused.
+  writeFileSync(path, back);
+  chmodSync(path, 0o666);
+  throwsCorrupt(() => s.verifyMemoryFile(path, info, 'template m'), /^template m is refused: .* may be written by other users \(mode 0666; chmod go-w /);
+  rmSync(path);
+  assert.is(spawnSync('mkfifo', [path]).status, 0);
+  throwsCorrupt(() => s.verifyMemoryFile(path, info, 'template m'), /^template m is refused: .* is not a regular file/);
+  rmSync(path);
+  mkdirSync(path);
+  throwsCorrupt(() => s.scanMemoryFile(path, 'template m'), /^template m is refused: .* is not a regular file/);
+  rmSync(path, { recursive: true });
   n.munmap(m);
   n.close(fd);
 });

@@ -4,7 +4,7 @@
 // memory files are checked when loaded: a missing, truncated or corrupt
 // template is refused with an error that names it, never restored.
 import { randomBytes } from 'node:crypto';
-import { existsSync, readFileSync, writeFileSync } from 'node:fs';
+import { existsSync, readFileSync, statSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { type AgentClient, answeredWithin } from '../../agent/client.ts';
 import { checkName, UserError } from '../../errors.ts';
@@ -30,6 +30,10 @@ export function templateExists(name: string): boolean {
 export function readTemplateInfo(name: string): TemplateInfo {
   const path = join(templateDir(name), INFO_FILE);
   if (!existsSync(path)) throw new UserError(`template ${JSON.stringify(name)} does not exist`, 'create it: forkling template create <name> --image <image>');
+  if (!statSync(path).isFile()) {
+    // (read, a FIFO put there would block this process for good)
+    throw new UserError(`template ${name} is corrupt: ${INFO_FILE} is not a regular file`, `remove it (forkling template rm ${name}) and create it again`);
+  }
   let info: TemplateInfo;
   try {
     info = JSON.parse(readFileSync(path, 'utf8')) as TemplateInfo;

@@ -109,11 +109,14 @@ uint32_t CeilLog2(uint32_t n) {
 
 }  // namespace
 
-Vm::Vm(const VmConfig& cfg, EventFn on_event) : cfg_(cfg), on_event_(std::move(on_event)) {
-  if (cfg_.vcpus < 1 || cfg_.vcpus > kMaxVcpus)
-    throw std::runtime_error("vcpus must be between 1 and " + std::to_string(kMaxVcpus));
-  if (cfg_.memory_bytes < (32ull << 20) || cfg_.memory_bytes > (1ull << 40) || (cfg_.memory_bytes & ((2ull << 20) - 1)))
+void CheckVmSize(uint64_t vcpus, uint64_t memory_bytes) {
+  if (vcpus < 1 || vcpus > kMaxVcpus) throw std::runtime_error("vcpus must be between 1 and " + std::to_string(kMaxVcpus));
+  if (memory_bytes < (32ull << 20) || memory_bytes > (1ull << 40) || (memory_bytes & ((2ull << 20) - 1)))
     throw std::runtime_error("memory must be a multiple of 2 MiB between 32 MiB and 1 TiB");
+}
+
+Vm::Vm(const VmConfig& cfg, EventFn on_event) : cfg_(cfg), on_event_(std::move(on_event)) {
+  CheckVmSize(cfg_.vcpus, cfg_.memory_bytes);
   InstallKickHandler();
   try {
     SetupVm();
@@ -132,6 +135,7 @@ Vm::Vm(const VmConfig& cfg, EventFn on_event, std::shared_ptr<const RestoreSpec>
   if (!origin_) throw std::invalid_argument("no snapshot to restore");
   if (cfg_.vcpus != origin_->vcpus || cfg_.memory_bytes != origin_->memory_bytes)
     throw std::runtime_error(origin_->what + ": the VM must have the snapshot's memory size and vCPU count");
+  CheckVmSize(cfg_.vcpus, cfg_.memory_bytes);
   InstallKickHandler();
   try {
     SetupVm();

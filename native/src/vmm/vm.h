@@ -85,6 +85,10 @@ struct VmEvent {
   std::string line;  // kConsole
 };
 
+// Throws std::runtime_error unless a VM may have this many vCPUs and bytes of
+// memory (a boot's options, and a snapshot's, which a state file says).
+void CheckVmSize(uint64_t vcpus, uint64_t memory_bytes);
+
 class Vm {
  public:
   using EventFn = std::function<void(VmEvent&&)>;

@@ -5,12 +5,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <mutex>
 #include <set>
 #include <system_error>
 #include <tuple>
+#include <vector>
 
 #include "vmm/snapshot/checksum.h"
 #include "vmm/snapshot/state_file.h"
@@ -109,54 +111,54 @@ MemoryFileInfo WriteMemoryFile(const uint8_t* host, uint64_t size, int src_fd, c
   return info;
 }
 
-MemoryFileInfo ScanMemoryFile(const std::string& path, const std::string& what) {
+MemoryFileInfo ScanMemoryFile(int fd, const std::string& path, const std::string& what) {
   auto bad = [&](const std::string& why) { return CorruptError(what + " is corrupt: memory file " + path + " " + why); };
-  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw bad(std::string("cannot be opened: ") + std::strerror(errno));
   struct stat st;
-  if (fstat(fd, &st) != 0) {
-    close(fd);
-    throw bad("cannot be read");
-  }
+  if (fstat(fd, &st) != 0) throw bad("cannot be read");
   MemoryFileInfo info;
   info.size = uint64_t(st.st_size);
-  if (info.size == 0 || info.size % kPageSize) {
-    close(fd);
-    throw bad("has a size that is not a whole number of pages");
-  }
-  void* m = mmap(nullptr, info.size, PROT_READ, MAP_SHARED, fd, 0);
-  if (m == MAP_FAILED) {
-    close(fd);
-    throw bad(std::string("cannot be mapped: ") + std::strerror(errno));
-  }
-  const uint8_t* base = static_cast<const uint8_t*>(m);
+  if (info.size == 0 || info.size % kPageSize) throw bad("has a size that is not a whole number of pages");
+  // Read with pread, never mapped: a file cut short meanwhile is an error here, not a SIGBUS.
+  std::vector<uint8_t> buf(1 << 20);
   uint32_t crc = 0;
   try {
     ForEachDataRange(fd, info.size, [&](uint64_t off, uint64_t len) {
-      // Read ahead: the pages are needed anyway.
-      madvise(const_cast<uint8_t*>(base) + off, len, MADV_WILLNEED);
-      for (uint64_t p = off / kPageSize; p < (off + len) / kPageSize; p++) {
-        const uint8_t* page = base + p * kPageSize;
-        if (IsZero(page, kPageSize)) continue;
-        crc = PageCrc(crc, p, page);
-        info.data_pages++;
+      for (uint64_t at = off; at < off + len;) {
+        const size_t want = size_t(std::min<uint64_t>(buf.size(), off + len - at));
+        size_t got = 0;
+        while (got < want) {
+          ssize_t n = pread(fd, buf.data() + got, want - got, off_t(at + got));
+          if (n < 0 && errno == EINTR) continue;
+          if (n <= 0) throw bad(n == 0 ? "was cut short while it was read" : std::string("cannot be read: ") + std::strerror(errno));
+          got += size_t(n);
+        }
+        for (size_t i = 0; i < want; i += kPageSize) {
+          const uint8_t* page = buf.data() + i;
+          if (IsZero(page, kPageSize)) continue;
+          crc = PageCrc(crc, (at + i) / kPageSize, page);
+          info.data_pages++;
+        }
+        at += want;
       }
     });
   } catch (const std::system_error& e) {
-    munmap(m, info.size);
-    close(fd);
     throw bad(e.what());
   }
-  munmap(m, info.size);
-  close(fd);
   info.checksum = crc;
   return info;
 }
 
-void VerifyMemoryFile(const std::string& path, const MemoryFileInfo& expected, const std::string& what) {
+int OpenMemoryFile(const std::string& path, const std::string& what) {
   struct stat st;
-  if (stat(path.c_str(), &st) != 0)
-    throw CorruptError(what + " is corrupt: memory file " + path + " is missing (" + std::strerror(errno) + ")");
+  if (stat(path.c_str(), &st) != 0 && errno == ENOENT)
+    throw CorruptError(what + " is corrupt: memory file " + path + " is missing (" + std::strerror(ENOENT) + ")");
+  return OpenStoreFile(path, what);
+}
+
+void VerifyMemoryFile(int fd, const std::string& path, const MemoryFileInfo& expected, const std::string& what) {
+  struct stat st;
+  if (fstat(fd, &st) != 0)
+    throw CorruptError(what + " is corrupt: memory file " + path + " cannot be read (" + std::strerror(errno) + ")");
   if (uint64_t(st.st_size) != expected.size)
     throw CorruptError(what + " is corrupt: memory file " + path + " has " + std::to_string(st.st_size) +
                        " bytes, the state file says " + std::to_string(expected.size) +
@@ -168,8 +170,8 @@ void VerifyMemoryFile(const std::string& path, const MemoryFileInfo& expected, c
     std::lock_guard<std::mutex> l(cache_mu);
     if (verified.count(key)) return;
   }
-  MemoryFileInfo got = ScanMemoryFile(path, what);
-  if (got.data_pages != expected.data_pages || got.checksum != expected.checksum)
+  MemoryFileInfo got = ScanMemoryFile(fd, path, what);
+  if (got.size != expected.size || got.data_pages != expected.data_pages || got.checksum != expected.checksum)
     throw CorruptError(what + " is corrupt: memory file " + path + " fails its checksum (" +
                        std::to_string(got.data_pages) + " data pages, expected " +
                        std::to_string(expected.data_pages) + ")");

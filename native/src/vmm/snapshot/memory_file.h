@@ -33,13 +33,18 @@ struct MemoryFileInfo {
 // reading them. The guest must be paused. Throws std::system_error.
 MemoryFileInfo WriteMemoryFile(const uint8_t* host, uint64_t size, int src_fd, const std::string& path);
 
-// Computes the info of an existing file (reads it). Throws CorruptError
-// (naming `what`) when it cannot be read.
-MemoryFileInfo ScanMemoryFile(const std::string& path, const std::string& what);
+// Opens a template's memory file to read (OpenStoreFile: a regular file only
+// we may write); a missing one is said to be missing.
+int OpenMemoryFile(const std::string& path, const std::string& what);
 
-// Throws CorruptError ("<what> is corrupt: memory file ...") unless the file
-// matches `expected`. Cached per process as described above.
-void VerifyMemoryFile(const std::string& path, const MemoryFileInfo& expected, const std::string& what);
+// Computes the info of an open file (reads it through fd; `path` names it
+// in errors). Throws CorruptError (naming `what`) when it cannot be read.
+MemoryFileInfo ScanMemoryFile(int fd, const std::string& path, const std::string& what);
+
+// Throws CorruptError ("<what> is corrupt: memory file ...") unless the open
+// file matches `expected`: what is checked is what the caller maps. Cached
+// per process as described above (by the fd's device, inode, size and times).
+void VerifyMemoryFile(int fd, const std::string& path, const MemoryFileInfo& expected, const std::string& what);
 
 // For tests: forget the cache.
 void ClearVerifyCache();

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <system_error>
 
 #include "vmm/snapshot/checksum.h"
@@ -118,9 +119,29 @@ void WriteStateFile(const std::string& path, const std::vector<Section>& section
   close(fd);
 }
 
+int OpenStoreFile(const std::string& path, const std::string& what, int flags) {
+  const bool dir = (flags & O_DIRECTORY) != 0;
+  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | flags);
+  if (fd < 0) throw CorruptError(what + " is corrupt: cannot open " + path + ": " + std::strerror(errno));
+  struct stat st;
+  std::string why;
+  if (fstat(fd, &st) != 0) why = std::string("cannot be read: ") + std::strerror(errno);
+  else if (!(dir ? S_ISDIR(st.st_mode) : S_ISREG(st.st_mode))) why = dir ? "is not a directory" : "is not a regular file";
+  else if (st.st_uid != geteuid() && st.st_uid != 0) why = "belongs to another user (uid " + std::to_string(st.st_uid) + ")";
+  else if (st.st_mode & (S_IWGRP | S_IWOTH)) {
+    char mode[8];
+    snprintf(mode, sizeof mode, "%04o", unsigned(st.st_mode & 07777));
+    why = std::string("may be written by other users (mode ") + mode + "; chmod go-w " + path + ")";
+  }
+  if (!why.empty()) {
+    close(fd);
+    throw CorruptError(what + " is refused: " + path + " " + why);
+  }
+  return fd;
+}
+
 std::vector<Section> ReadStateFile(const std::string& path, const std::string& what) {
-  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw CorruptError(what + " is corrupt: cannot open its state file " + path + ": " + std::strerror(errno));
+  int fd = OpenStoreFile(path, what);
   struct stat st;
   if (fstat(fd, &st) != 0 || uint64_t(st.st_size) > kMaxStateFile) {
     close(fd);

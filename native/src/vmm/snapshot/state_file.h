@@ -50,6 +50,13 @@ std::vector<Section> DecodeStateFile(const uint8_t* data, size_t len, const std:
 void WriteStateFile(const std::string& path, const std::vector<Section>& sections);
 std::vector<Section> ReadStateFile(const std::string& path, const std::string& what);
 
+// Opens a file of a template (or the template's directory, with O_DIRECTORY
+// in `flags`) to read: never blocks (a FIFO put there would hang the caller),
+// and refuses (CorruptError naming `what`) anything but a regular file (or
+// directory) owned by us or root that no other user may write: whoever may
+// write it may change what every child of the template maps as its memory.
+int OpenStoreFile(const std::string& path, const std::string& what, int flags = 0);
+
 // First section with `tag` (and index), or nullptr.
 const Section* FindSection(const std::vector<Section>& s, uint32_t tag, uint32_t index = 0);
 

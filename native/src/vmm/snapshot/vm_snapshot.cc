@@ -313,26 +313,25 @@ TemplateWritten WriteTemplate(Vm& vm, const std::string& dir) {
 std::shared_ptr<RestoreSpec> LoadTemplate(const std::string& dir, const std::string& what) {
   auto spec = std::make_shared<RestoreSpec>();
   spec->what = what;
+  close(OpenStoreFile(dir, what, O_DIRECTORY));  // (whoever may write it may swap its files)
   spec->state = ReadStateFile(dir + "/state.bin", what);
   Meta meta = GetPod<Meta>(spec->state, kTagMeta, 0, what, "META");
   if (meta.version != kSnapshotVersion)
     throw CorruptError(what + " is corrupt: snapshot version " + std::to_string(meta.version) + " is not " +
                        std::to_string(kSnapshotVersion) + " (create the template again)");
+  try {
+    CheckVmSize(meta.vcpus, meta.memory_bytes);
+  } catch (const std::exception& e) {
+    throw CorruptError(what + " is corrupt: its state file says " + std::to_string(meta.vcpus) + " vCPUs and " +
+                       std::to_string(meta.memory_bytes) + " bytes of memory (" + e.what() + ")");
+  }
   MemoryFileInfo mem = GetPod<MemoryFileInfo>(spec->state, kTagMemory, 0, what, "memory file");
   if (mem.size != meta.memory_bytes)
     throw CorruptError(what + " is corrupt: the memory file size does not match the VM's memory");
   spec->memory_path = dir + "/memory.bin";
-  int fd = open(spec->memory_path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0)
-    throw CorruptError(what + " is corrupt: memory file " + spec->memory_path + " is missing (" + std::strerror(errno) + ")");
+  int fd = OpenMemoryFile(spec->memory_path, what);
   spec->memory_fd = std::make_shared<const SharedFd>(fd);
-  VerifyMemoryFile(spec->memory_path, mem, what);
-  // What was checked must be what is open (the template directory is
-  // replaced as a whole when a template is made again).
-  struct stat open_st, path_st;
-  if (fstat(fd, &open_st) != 0 || stat(spec->memory_path.c_str(), &path_st) != 0 || open_st.st_dev != path_st.st_dev ||
-      open_st.st_ino != path_st.st_ino)
-    throw std::runtime_error(what + " was replaced while it was loaded; try again");
+  VerifyMemoryFile(fd, spec->memory_path, mem, what);  // (the file children map: checked through this fd)
   spec->memory_bytes = meta.memory_bytes;
   spec->vcpus = meta.vcpus;
   return spec;
