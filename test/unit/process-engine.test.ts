@@ -630,6 +630,21 @@ test("many live forks of a small template: what each wrote before it left the zy
   }
 });
 
+test("forks of a template whose warm-up left 40 MiB in /dev/shm: each fork's copy does not exhaust the zygote's limit", async () => {
+  // (a fork copies the warm-up's /dev/shm in its set-up, charged to the zygote's cgroup: 8 forks of
+  // a 256 MiB template killed the zygote before its limit counted them)
+  const name = `${TEMPLATE}-shm`;
+  await engine.createTemplate({ name, image: 'default', memoryMiB: 256, warmup: 'open("/dev/shm/big", "wb").write(b"y" * (40 << 20))' });
+  const kids: Sandbox[] = [];
+  try {
+    kids.push(...(await engine.fork(name, 8)));
+    for (const k of kids) assert.is(await val(k.agent, 'import os\nos.path.getsize("/dev/shm/big")'), 40 << 20);
+  } finally {
+    await Promise.all(kids.map((k) => k.kill()));
+    rmSync(storePath('process-templates', `${name}.json`), { force: true });
+  }
+});
+
 /** Python for a source sandbox: branch_pid(), the pid (in its namespace) of its one branch (the only other PID 1 it sees). */
 const BRANCH_PID_PY = `def branch_pid():
     for p in os.listdir('/proc'):

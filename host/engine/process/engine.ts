@@ -6,7 +6,7 @@
 // overlay layer, its own namespaces, its own cgroup. Same agent, same protocol
 // and client as a VM; weaker isolation (one shared kernel), said every time.
 import { randomBytes } from 'node:crypto';
-import { closeSync, existsSync, mkdirSync, readdirSync, readFileSync } from 'node:fs';
+import { closeSync, existsSync, lstatSync, mkdirSync, readdirSync, readFileSync } from 'node:fs';
 import { Socket } from 'node:net';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -56,12 +56,39 @@ const HOLD_SIGNAL = 63;
  * to the zygote's, and stays charged there while the fork lives (memory is not
  * moved with a process): 0.9-1.5 MiB per live fork, measured (2026-12-02). At
  * ~500 live forks of a 512 MiB template the zygote's cgroup ran out and the
- * kernel killed processes in it. So its limit is the template's plus this much
- * for each fork that may be alive (raised before each request, never lowered:
- * what the warm-up's own threads could take beyond the template's limit is
- * bounded by the forks the user has made).
+ * kernel killed processes in it. So its limit is the template's plus, for each
+ * fork that may be alive, this much and what a fork copies of the warm-up's
+ * /dev/shm (raised before each request, never lowered: what the warm-up's own
+ * threads could take beyond the template's limit is bounded by the forks the
+ * user has made).
  */
 const FORK_SETUP_BYTES = 3 * 2 ** 20;
+/**
+ * The bytes of the files under `dir` (sandbox-made: entries are lstat'ed, no
+ * link is followed; at most 100,000 of them), 0 where it cannot be read.
+ */
+function treeBytes(dir: string): number {
+  let bytes = 0;
+  let left = 100_000;
+  const walk = (d: string): void => {
+    let names: string[];
+    try {
+      names = readdirSync(d);
+    } catch {
+      return;
+    }
+    for (const name of names) {
+      if (--left < 0) return;
+      try {
+        const st = lstatSync(join(d, name));
+        if (st.isDirectory()) walk(join(d, name));
+        else if (st.isFile()) bytes += Math.max(st.size, st.blocks * 512);
+      } catch {} // (gone meanwhile)
+    }
+  };
+  walk(dir);
+  return bytes;
+}
 /** Most spare forks per template (each holds a child's memory). */
 const MAX_SPARES = 1024;
 /** Children per fork request to a zygote (measured: 25 beat 10, 50 and one request for 100 on 2 cores). */
@@ -134,8 +161,10 @@ interface Zygote extends Root {
   requests: Gate;
   /** The template frozen and the fork server started (a fork with no children): prepare(). */
   prepared: Promise<void> | null;
-  /** The memory limit of its cgroup now: the template's, plus FORK_SETUP_BYTES for each fork (see forkAllowance). */
+  /** The memory limit of its cgroup now: the template's, plus what each fork may leave charged to it (see forkAllowance). */
   memoryLimit: number;
+  /** What a fork copies of the warm-up's /dev/shm in its set-up (read once the warm-up has run). */
+  shmBytes: number;
 }
 
 /** At most n holders at a time, first come first served. */
@@ -718,7 +747,7 @@ export class ProcessEngine implements Engine {
       await this.destroyRoot(root);
       throw e;
     }
-    const z: Zygote = { ...root, info, client, limits, dead: false, spares: [], refilling: null, refillNow: null, requests: new Gate(2), prepared: null, memoryLimit: limits.memoryBytes };
+    const z: Zygote = { ...root, info, client, limits, dead: false, spares: [], refilling: null, refillNow: null, requests: new Gate(2), prepared: null, memoryLimit: limits.memoryBytes, shmBytes: 0 };
     void client.closed
       .then(() => {
         z.dead = true;
@@ -738,6 +767,7 @@ export class ProcessEngine implements Engine {
         );
       }
     }
+    z.shmBytes = treeBytes(`/proc/${z.pid}/root/dev/shm`);
     return z;
   }
 
@@ -1033,7 +1063,7 @@ export class ProcessEngine implements Engine {
   private forkAllowance(z: Zygote, n: number): void {
     if (!z.cgroup) return;
     const live = [...this.sandboxes, ...this.holding].filter((s) => s.zygote === z).length + z.spares.length;
-    const want = z.limits.memoryBytes + (live + n + 1) * FORK_SETUP_BYTES; // (+1: the template's pattern child)
+    const want = z.limits.memoryBytes + (live + n + 1) * (FORK_SETUP_BYTES + z.shmBytes); // (+1: the template's pattern child)
     if (want <= z.memoryLimit) return;
     try {
       this.cgroups.setMemoryLimit(z.cgroup, want);
