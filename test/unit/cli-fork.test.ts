@@ -43,17 +43,36 @@ test('fork: -n out of range is one clear error', () => {
   assert.match(r.stderr, /-n|n must/);
 });
 
-/** Host pids of the processes in sandbox `id`'s cgroup (its cgroup's name is the sandbox id). */
-function pidsOf(id: string): number[] {
+/** Host pids of the forks under process `pid`: PID 1 of a pid namespace nested in another (the zygote's). */
+function forksUnder(pid: number): number[] {
   const out: number[] = [];
-  for (const d of readdirSync('/proc')) {
-    if (!/^\d+$/.test(d)) continue;
+  const walk = (p: number): void => {
+    let tasks: string[] = [];
     try {
-      if (readFileSync(`/proc/${d}/cgroup`, 'utf8').split('\n').some((l) => l.endsWith(`/${id}`))) out.push(Number(d));
+      tasks = readdirSync(`/proc/${p}/task`);
     } catch {} // (gone meanwhile)
-  }
+    for (const t of tasks) {
+      let kids: number[] = [];
+      try {
+        kids = readFileSync(`/proc/${p}/task/${t}/children`, 'utf8').split(' ').filter(Boolean).map(Number);
+      } catch {}
+      for (const k of kids) {
+        const ns = /^NSpid:\s+(.*)$/m.exec(readFileSync(`/proc/${k}/status`, 'utf8'))?.[1]?.trim().split(/\s+/) ?? [];
+        if (ns.length >= 3 && ns[ns.length - 1] === '1') out.push(k);
+        walk(k);
+      }
+    }
+  };
+  walk(pid);
   return out;
 }
+const running = (pid: number) => {
+  try {
+    return !/^State:\s+Z/m.test(readFileSync(`/proc/${pid}/status`, 'utf8'));
+  } catch {
+    return false;
+  }
+};
 
 test('fork --keep: the children run until Ctrl-C, then the command ends them and exits 0', async () => {
   const p = spawn(process.execPath, ['bin/forkling.mjs', 'fork', 'default', '-n', '2', '--eval', '1', '--json', '--keep'], { env, stdio: ['ignore', 'pipe', 'pipe'] });
@@ -73,12 +92,12 @@ test('fork --keep: the children run until Ctrl-C, then the command ends them and
       });
       void exited.then((code) => reject(new Error(`fork --keep exited (${code}) before Ctrl-C: ${err}`)));
     });
-    const ids = (JSON.parse(out).children as { id: string }[]).map((c) => c.id);
-    assert.is(ids.length, 2);
-    for (const id of ids) assert.ok(pidsOf(id).length > 0, `sandbox ${id} runs while the command waits`);
+    assert.is(JSON.parse(out).children.length, 2);
+    const forks = forksUnder(p.pid!);
+    assert.is(forks.length, 2, 'both children run while the command waits');
     p.kill('SIGINT');
     assert.is(await exited, 0, err);
-    for (const id of ids) assert.equal(pidsOf(id), [], `sandbox ${id} ended with the command`);
+    assert.equal(forks.filter(running), [], 'the children ended with the command');
   } finally {
     p.kill('SIGKILL');
   }
