@@ -443,14 +443,14 @@ void InitSnapshot(Napi::Env env, Napi::Object exports) {
   s.Set("scanMemoryFile", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
     return Guard(info.Env(), [&]() -> Napi::Value {
       const std::string path = info[0].As<Napi::String>(), what = info[1].As<Napi::String>();
-      FdCloser fd(ss::OpenMemoryFile(path, what));
+      FdCloser fd(ss::OpenStoreFile(path, what, "memory file"));
       return InfoToJs(info.Env(), ss::ScanMemoryFile(fd.fd, path, what));
     });
   }));
   s.Set("verifyMemoryFile", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
     return Guard(info.Env(), [&]() -> Napi::Value {
       const std::string path = info[0].As<Napi::String>(), what = info[2].As<Napi::String>();
-      FdCloser fd(ss::OpenMemoryFile(path, what));
+      FdCloser fd(ss::OpenStoreFile(path, what, "memory file"));
       ss::VerifyMemoryFile(fd.fd, path, InfoFromJs(info[1]), what);
       return info.Env().Undefined();
     });

@@ -148,13 +148,6 @@ MemoryFileInfo ScanMemoryFile(int fd, const std::string& path, const std::string
   return info;
 }
 
-int OpenMemoryFile(const std::string& path, const std::string& what) {
-  struct stat st;
-  if (stat(path.c_str(), &st) != 0 && errno == ENOENT)
-    throw CorruptError(what + " is corrupt: memory file " + path + " is missing (" + std::strerror(ENOENT) + ")");
-  return OpenStoreFile(path, what);
-}
-
 void VerifyMemoryFile(int fd, const std::string& path, const MemoryFileInfo& expected, const std::string& what) {
   struct stat st;
   if (fstat(fd, &st) != 0)

@@ -33,12 +33,8 @@ struct MemoryFileInfo {
 // reading them. The guest must be paused. Throws std::system_error.
 MemoryFileInfo WriteMemoryFile(const uint8_t* host, uint64_t size, int src_fd, const std::string& path);
 
-// Opens a template's memory file to read (OpenStoreFile: a regular file only
-// we may write); a missing one is said to be missing.
-int OpenMemoryFile(const std::string& path, const std::string& what);
-
-// Computes the info of an open file (reads it through fd; `path` names it
-// in errors). Throws CorruptError (naming `what`) when it cannot be read.
+// Computes the info of an open file (reads it through fd, opened with
+// OpenStoreFile; `path` names it in errors). Throws CorruptError (naming `what`) when it cannot be read.
 MemoryFileInfo ScanMemoryFile(int fd, const std::string& path, const std::string& what);
 
 // Throws CorruptError ("<what> is corrupt: memory file ...") unless the open

@@ -119,10 +119,12 @@ void WriteStateFile(const std::string& path, const std::vector<Section>& section
   close(fd);
 }
 
-int OpenStoreFile(const std::string& path, const std::string& what, int flags) {
+int OpenStoreFile(const std::string& path, const std::string& what, const std::string& kind, int flags) {
   const bool dir = (flags & O_DIRECTORY) != 0;
   int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | flags);
-  if (fd < 0) throw CorruptError(what + " is corrupt: cannot open " + path + ": " + std::strerror(errno));
+  if (fd < 0)
+    throw CorruptError(what + " is corrupt: " + kind + " " + path + (errno == ENOENT ? " is missing (" : " cannot be opened (") +
+                       std::strerror(errno) + ")");
   struct stat st;
   std::string why;
   if (fstat(fd, &st) != 0) why = std::string("cannot be read: ") + std::strerror(errno);
@@ -135,13 +137,13 @@ int OpenStoreFile(const std::string& path, const std::string& what, int flags) {
   }
   if (!why.empty()) {
     close(fd);
-    throw CorruptError(what + " is refused: " + path + " " + why);
+    throw CorruptError(what + " is refused: " + kind + " " + path + " " + why);
   }
   return fd;
 }
 
 std::vector<Section> ReadStateFile(const std::string& path, const std::string& what) {
-  int fd = OpenStoreFile(path, what);
+  int fd = OpenStoreFile(path, what, "state file");
   struct stat st;
   if (fstat(fd, &st) != 0 || uint64_t(st.st_size) > kMaxStateFile) {
     close(fd);

@@ -52,10 +52,12 @@ std::vector<Section> ReadStateFile(const std::string& path, const std::string& w
 
 // Opens a file of a template (or the template's directory, with O_DIRECTORY
 // in `flags`) to read: never blocks (a FIFO put there would hang the caller),
-// and refuses (CorruptError naming `what`) anything but a regular file (or
-// directory) owned by us or root that no other user may write: whoever may
-// write it may change what every child of the template maps as its memory.
-int OpenStoreFile(const std::string& path, const std::string& what, int flags = 0);
+// and refuses (CorruptError naming `what` and the file's `kind`: "memory
+// file", ...; a missing one is said to be missing) anything but a regular
+// file (or directory) owned by us or root that no other user may write:
+// whoever may write it may change what every child of the template maps as
+// its memory.
+int OpenStoreFile(const std::string& path, const std::string& what, const std::string& kind, int flags = 0);
 
 // First section with `tag` (and index), or nullptr.
 const Section* FindSection(const std::vector<Section>& s, uint32_t tag, uint32_t index = 0);

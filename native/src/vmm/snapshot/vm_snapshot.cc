@@ -313,7 +313,7 @@ TemplateWritten WriteTemplate(Vm& vm, const std::string& dir) {
 std::shared_ptr<RestoreSpec> LoadTemplate(const std::string& dir, const std::string& what) {
   auto spec = std::make_shared<RestoreSpec>();
   spec->what = what;
-  close(OpenStoreFile(dir, what, O_DIRECTORY));  // (whoever may write it may swap its files)
+  close(OpenStoreFile(dir, what, "directory", O_DIRECTORY));  // (whoever may write it may swap its files)
   spec->state = ReadStateFile(dir + "/state.bin", what);
   Meta meta = GetPod<Meta>(spec->state, kTagMeta, 0, what, "META");
   if (meta.version != kSnapshotVersion)
@@ -329,7 +329,7 @@ std::shared_ptr<RestoreSpec> LoadTemplate(const std::string& dir, const std::str
   if (mem.size != meta.memory_bytes)
     throw CorruptError(what + " is corrupt: the memory file size does not match the VM's memory");
   spec->memory_path = dir + "/memory.bin";
-  int fd = OpenMemoryFile(spec->memory_path, what);
+  int fd = OpenStoreFile(spec->memory_path, what, "memory file");
   spec->memory_fd = std::make_shared<const SharedFd>(fd);
   VerifyMemoryFile(fd, spec->memory_path, mem, what);  // (the file children map: checked through this fd)
   spec->memory_bytes = meta.memory_bytes;
