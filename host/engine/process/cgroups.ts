@@ -180,6 +180,21 @@ function empty(dir: string): void {
   }
 }
 
+/**
+ * A v1 memory cgroup's limit, and its memory + swap limit to the same (as v2's
+ * memory.swap.max 0: else a sandbox could swap its way past its limit; the
+ * file exists only where the kernel accounts swap). Memory + swap is never
+ * below memory alone: raised first, lowered last.
+ */
+function writeV1MemoryLimit(dir: string, bytes: number): void {
+  const memsw = join(dir, 'memory.memsw.limit_in_bytes');
+  const swap = existsSync(memsw);
+  const raise = swap && bytes > Number(readFileSync(memsw, 'utf8'));
+  if (raise) writeFileSync(memsw, String(bytes));
+  writeFileSync(join(dir, 'memory.limit_in_bytes'), String(bytes));
+  if (swap && !raise) writeFileSync(memsw, String(bytes));
+}
+
 export class CgroupTree {
   readonly mode: 'v1' | 'v2' | 'none';
   /** Why there are no (or only some) limits; null when all is well. */
@@ -271,13 +286,7 @@ export class CgroupTree {
           mkdirSync(dir);
           cg.dirs.push(dir);
           cg.procs.push(join(dir, 'cgroup.procs'));
-          if (c === 'memory') {
-            writeFileSync(join(dir, 'memory.limit_in_bytes'), String(limits.memoryBytes));
-            // Memory + swap, as v2's memory.swap.max 0: else a sandbox could swap its way past its limit
-            // (the file exists only where the kernel accounts swap).
-            const memsw = join(dir, 'memory.memsw.limit_in_bytes');
-            if (existsSync(memsw)) writeFileSync(memsw, String(limits.memoryBytes));
-          }
+          if (c === 'memory') writeV1MemoryLimit(dir, limits.memoryBytes);
           if (c === 'pids') writeFileSync(join(dir, 'pids.max'), String(limits.pids));
           // (a new cgroup's cpu.cfs_period_us is the kernel's default, 100000 µs)
           if (c === 'cpu') writeFileSync(join(dir, 'cpu.cfs_quota_us'), String(Math.max(1000, Math.round(limits.cpus * 100000))));
@@ -308,12 +317,7 @@ export class CgroupTree {
   setMemoryLimit(cg: Cgroup, bytes: number): void {
     for (const d of cg.dirs) {
       if (existsSync(join(d, 'memory.limit_in_bytes'))) {
-        // v1: memory + swap is never below memory alone: raised first, lowered last
-        const memsw = join(d, 'memory.memsw.limit_in_bytes');
-        const raise = existsSync(memsw) && bytes > Number(readFileSync(memsw, 'utf8'));
-        if (raise) writeFileSync(memsw, String(bytes));
-        writeFileSync(join(d, 'memory.limit_in_bytes'), String(bytes));
-        if (existsSync(memsw) && !raise) writeFileSync(memsw, String(bytes));
+        writeV1MemoryLimit(d, bytes);
       } else if (existsSync(join(d, 'memory.max'))) {
         writeFileSync(join(d, 'memory.max'), String(bytes));
       }
