@@ -54,9 +54,9 @@ const HOLD_SIGNAL = 63;
 /**
  * What a fork writes before the host moves it into its own cgroup is charged
  * to the zygote's, and stays charged there while the fork lives (memory is not
- * moved with a process): 0.9-1.5 MiB per live fork, measured (2026-12-02). At
- * ~500 live forks of a 512 MiB template the zygote's cgroup ran out and the
- * kernel killed processes in it. So its limit is the template's plus, for each
+ * moved with a process): 0.9-1.5 MiB per live fork, measured (2026-12-02).
+ * Between 500 and 600 live forks of a 512 MiB template the zygote's cgroup ran
+ * out and the kernel killed processes in it. So its limit is the template's plus, for each
  * fork that may be alive, this much and what a fork copies of the warm-up's
  * /dev/shm (raised before each request, never lowered: what the warm-up's own
  * threads could take beyond the template's limit is bounded by the forks the
@@ -767,7 +767,9 @@ export class ProcessEngine implements Engine {
         );
       }
     }
-    z.shmBytes = treeBytes(`/proc/${z.pid}/root/dev/shm`);
+    // (at most the template's limit, which charges the zygote's tmpfs pages: a walk through
+    // /proc/<pid>/root that a warm-up thread races, swapping a directory for a link, counts host files)
+    z.shmBytes = Math.min(treeBytes(`/proc/${z.pid}/root/dev/shm`), limits.memoryBytes);
     return z;
   }
 
