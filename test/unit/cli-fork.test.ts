@@ -43,8 +43,14 @@ test('fork: -n out of range is one clear error', () => {
   assert.match(r.stderr, /-n|n must/);
 });
 
-/** Host pids of the forks under process `pid`: PID 1 of a pid namespace nested in another (the zygote's). */
+const nsDepth = (pid: number | 'self'): string[] =>
+  /^NSpid:\s+(.*)$/m.exec(readFileSync(`/proc/${pid}/status`, 'utf8'))?.[1]?.trim().split(/\s+/) ?? [];
+/**
+ * Host pids of the forks under process `pid`: PID 1 of a pid namespace nested in another (the zygote's), so two
+ * levels below ours; counted from our own level because the tests may themselves run in a pid namespace.
+ */
 function forksUnder(pid: number): number[] {
+  const depth = nsDepth('self').length + 2;
   const out: number[] = [];
   const walk = (p: number): void => {
     let tasks: string[] = [];
@@ -57,8 +63,11 @@ function forksUnder(pid: number): number[] {
         kids = readFileSync(`/proc/${p}/task/${t}/children`, 'utf8').split(' ').filter(Boolean).map(Number);
       } catch {}
       for (const k of kids) {
-        const ns = /^NSpid:\s+(.*)$/m.exec(readFileSync(`/proc/${k}/status`, 'utf8'))?.[1]?.trim().split(/\s+/) ?? [];
-        if (ns.length >= 3 && ns[ns.length - 1] === '1') out.push(k);
+        let ns: string[] = [];
+        try {
+          ns = nsDepth(k);
+        } catch {} // (gone meanwhile)
+        if (ns.length === depth && ns[ns.length - 1] === '1') out.push(k);
         walk(k);
       }
     }
