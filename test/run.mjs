@@ -12,7 +12,7 @@ import { spawn, spawnSync } from 'node:child_process';
 import { accessSync, constants, existsSync, readFileSync, readdirSync } from 'node:fs';
 import { dirname, join, relative } from 'node:path';
 import { fileURLToPath } from 'node:url';
-import { KVM_FILE_LIMIT_S } from './limits.mjs';
+import { KVM_FILE_LIMIT_S, RECAP_TITLE } from './limits.mjs';
 
 const root = dirname(dirname(fileURLToPath(import.meta.url)));
 const CI = process.env.CI === 'true';
@@ -21,6 +21,24 @@ const tsx = join(root, 'node_modules', '.bin', 'tsx');
 let passed = 0;
 let failed = 0;
 const failures = [];
+/** What each failing file said, printed again at the end: CI often keeps only a run's head and tail. */
+const recap = [];
+
+/** The uvu FAIL blocks of a file's output (without node_modules stack lines), else its last lines. */
+function failExcerpt(out) {
+  const lines = out.split('\n');
+  const picked = [];
+  for (let i = 0; i < lines.length; i++) {
+    if (!/^\s*FAIL\s/.test(lines[i])) continue;
+    for (let j = i, n = 0; j < lines.length && n < 20 && !/^\s*Total:/.test(lines[j]) && (j === i || !/^\s*FAIL\s/.test(lines[j])); j++) {
+      if (/^\s+at .*node_modules/.test(lines[j]) || lines[j].trim() === '') continue;
+      picked.push(lines[j]);
+      n++;
+    }
+  }
+  const chosen = picked.length ? picked : lines.filter((l) => l.trim() !== '').slice(-20);
+  return chosen.slice(0, 60);
+}
 
 function section(title) {
   console.log(`\n=== ${title}`);
@@ -135,11 +153,15 @@ function runFile(file, timeoutMs, attempt = 1) {
       if (total === 0) {
         console.log(`FAILED: ${file} ran no test (exit ${code})`);
         record(file, false);
+        recap.push(`--- ${file} (ran no test, exit ${code})`, ...failExcerpt(out));
       } else {
         passed += ok;
         const bad = total - ok + (code !== 0 && ok === total ? 1 : 0);
         failed += bad;
-        if (bad) failures.push(file);
+        if (bad) {
+          failures.push(file);
+          recap.push(`--- ${file}`, ...failExcerpt(out));
+        }
       }
       resolve();
     });
@@ -190,6 +212,7 @@ async function runLab(title, labFilter) {
   passed += summary.passed;
   failed += summary.failed;
   failures.push(...summary.failures.map((f) => `lab: ${f}`));
+  recap.push(...(summary.details ?? []).map((l) => (l.startsWith('--- ') ? `--- lab: ${l.slice(4)}` : l)));
   if (lab.status !== 0 && summary.failed === 0) record('KVM lab exit status', false);
 }
 
@@ -220,6 +243,7 @@ if (mode === 'all') await runKvm({ forceLab: false });
 if (mode === 'lab') await runKvm({ forceLab: true });
 if (mode === 'kvm-direct') await runFiles('KVM tests', listTests('test/kvm'), { parallel: 1, timeoutMs: KVM_FILE_LIMIT_S * 1000 });
 
+if (recap.length) console.log(`\n${RECAP_TITLE}\n${recap.join('\n')}`);
 if (failures.length) console.log(`\nfailed: ${failures.join(', ')}`);
 console.log(`\n${passed} passed, ${failed} failed`);
 process.exit(failed === 0 ? 0 : 1);

@@ -1,11 +1,13 @@
 // Reading the lab machine's serial console: the LAB-* marker lines printed by
-// init.sh and the inner suite's closing lines (`failed: ...`, `N passed, N failed`).
+// init.sh and the inner suite's closing lines (its recap of what failed,
+// `failed: ...`, `N passed, N failed`).
+import { RECAP_TITLE } from '../limits.mjs';
 
 export type LabStage = 'kernel-up' | 'kvm-ready' | 'mounted' | 'node-start' | 'first-output' | 'exit' | 'poweroff';
 
 export interface LabOutcome {
   /** the inner suite's counts, from its last `N passed, N failed` line */
-  summary: { passed: number; failed: number; failures: string[] } | null;
+  summary: { passed: number; failed: number; failures: string[]; details: string[] } | null;
   /** the inner suite's exit status (LAB-EXIT), null if it never ended */
   exitCode: number | null;
   /** LAB-FAIL reason (set-up inside the machine failed) */
@@ -29,6 +31,9 @@ export class LabConsole {
   stuckS = 0;
   private readonly tail: string[] = [];
   private pendingFailures: string[] = [];
+  /** The inner suite's recap of what failed (the lines under RECAP_TITLE), while it is being read. */
+  private recap: string[] | null = null;
+  private pendingDetails: string[] = [];
   private partial = '';
 
   constructor(
@@ -79,6 +84,17 @@ export class LabConsole {
     const inSuite = this.stages.has('node-start') && !this.stages.has('exit');
     const failedList = inSuite ? /^failed: (.+)$/.exec(line) : null;
     const summary = inSuite ? SUMMARY_RE.exec(line) : null;
+    if (inSuite && line === RECAP_TITLE) {
+      this.recap = [];
+      return;
+    }
+    if (this.recap && (failedList || summary)) {
+      this.pendingDetails = this.recap.filter((l) => l.trim() !== '' && !KERNEL_LOG_RE.test(l));
+      this.recap = null;
+    } else if (this.recap) {
+      this.recap.push(line);
+      return;
+    }
     if (stage) this.mark(stage[1] as LabStage);
     else if (line.startsWith('LAB-NODE-START')) this.mark('node-start');
     else if (line.startsWith('LAB-FILE ')) this.runningFile = line.slice('LAB-FILE '.length).trim();
@@ -90,8 +106,9 @@ export class LabConsole {
     else if (setup) this.outcome.setupFailure ??= setup[1] ?? 'unknown';
     else if (failedList) this.pendingFailures = failedList[1]!.split(', ').filter(Boolean);
     else if (summary) {
-      this.outcome.summary = { passed: Number(summary[1]), failed: Number(summary[2]), failures: this.pendingFailures };
+      this.outcome.summary = { passed: Number(summary[1]), failed: Number(summary[2]), failures: this.pendingFailures, details: this.pendingDetails };
       this.pendingFailures = [];
+      this.pendingDetails = [];
     }
   }
 }

@@ -22,7 +22,7 @@
 //   FORKLING_TEST_FILTER, CI  passed to the inner suite
 //   FORKLING_LAB_COMMAND    a shell command to run in the checkout instead of the suite, e.g.
 //                           'npx tsx bench/kvm-fork.ts --guest linux' (its exit status is the result)
-// Writes <repo>/.lab/last-summary.json = {startedAt, passed, failed, failures}
+// Writes <repo>/.lab/last-summary.json = {startedAt, passed, failed, failures, details}
 // and exits 0 only if every inner test passed.
 import { type ChildProcess, spawn } from 'node:child_process';
 import { existsSync, mkdirSync, readdirSync, realpathSync } from 'node:fs';
@@ -49,6 +49,8 @@ interface Summary {
   passed: number;
   failed: number;
   failures: string[];
+  /** the inner suite's recap of what failed (its FAIL blocks), for the outer runner to print again */
+  details: string[];
 }
 
 /** Every console line of the current lab boot (to recover from a crash of the lab itself). */
@@ -84,7 +86,7 @@ async function main(startedAt: number): Promise<Summary> {
   const cpus = envWhole('FORKLING_LAB_CPUS', 2, 1, 64);
   const cpu = process.env.FORKLING_LAB_CPU || 'EPYC,+svm,+npt';
   const accel = process.env.FORKLING_LAB_ACCEL || 'tcg';
-  const fail = (why: string): Summary => ({ startedAt, passed: 0, failed: 1, failures: [why] });
+  const fail = (why: string): Summary => ({ startedAt, passed: 0, failed: 1, failures: [why], details: [] });
 
   if (!existsSync(ADDON_PATH)) {
     throw new UserError(`the native addon is not built (${ADDON_PATH})`, 'run npm install (or npm run build:native) before the KVM lab');
@@ -302,7 +304,7 @@ async function rerunAfterLabCrash(first: Summary, startedAt: number): Promise<Su
     failed += r.total - r.passed;
     if (r.total !== r.passed) failures.push(f);
   }
-  return { startedAt, passed, failed, failures };
+  return { startedAt, passed, failed, failures, details: last.details };
 }
 
 let summary: Summary;
@@ -312,7 +314,7 @@ try {
 } catch (e) {
   const msg = e instanceof UserError ? `${e.message}${e.hint ? ` (${e.hint})` : ''}` : e instanceof Error ? (e.stack ?? e.message) : String(e);
   say(`ERROR: ${msg}`);
-  summary = { startedAt, passed: 0, failed: 1, failures: [`could not run: ${msg.split('\n')[0]}`] };
+  summary = { startedAt, passed: 0, failed: 1, failures: [`could not run: ${msg.split('\n')[0]}`], details: [] };
 } finally {
   killQemu();
 }

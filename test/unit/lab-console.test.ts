@@ -13,7 +13,7 @@ function feedAll(lines: string[], chunk = 7): LabConsole {
   return con;
 }
 
-test('console: stages, the summary and the failure list of the inner suite', () => {
+test('console: stages, the summary, the failure list and the recap of what failed in the inner suite', () => {
   const con = feedAll([
     '[    1.2] random kernel line',
     '3 passed, 9 failed',
@@ -23,6 +23,14 @@ test('console: stages, the summary and the failure list of the inner suite', () 
     'LAB-NODE-START 3.0',
     '',
     '=== KVM tests',
+    '=== what failed (the details above, again)',
+    '--- test/kvm/a.test.ts',
+    '   FAIL  "boots"',
+    '[   9.1] a kernel line in between',
+    '    the agent answers  (is)',
+    '',
+    '--- test/kvm/b.test.ts (ran no test, exit 1)',
+    'Error: boom',
     'failed: test/kvm/a.test.ts, test/kvm/b.test.ts',
     '',
     '5 passed, 2 failed',
@@ -31,7 +39,12 @@ test('console: stages, the summary and the failure list of the inner suite', () 
     '1 passed, 0 failed',
     'LAB-POWEROFF',
   ]);
-  assert.equal(con.outcome.summary, { passed: 5, failed: 2, failures: ['test/kvm/a.test.ts', 'test/kvm/b.test.ts'] });
+  assert.equal(con.outcome.summary, {
+    passed: 5,
+    failed: 2,
+    failures: ['test/kvm/a.test.ts', 'test/kvm/b.test.ts'],
+    details: ['--- test/kvm/a.test.ts', '   FAIL  "boots"', '    the agent answers  (is)', '--- test/kvm/b.test.ts (ran no test, exit 1)', 'Error: boom'],
+  });
   assert.is(con.outcome.exitCode, 1);
   assert.is(con.outcome.setupFailure, null);
   assert.equal([...con.stages.keys()], ['kernel-up', 'kvm-ready', 'mounted', 'node-start', 'first-output', 'exit', 'poweroff']);
