@@ -103,7 +103,17 @@ test('fork --keep: the children run until Ctrl-C, then the command ends them and
     });
     assert.is(JSON.parse(out).children.length, 2);
     const forks = forksUnder(p.pid!);
-    assert.is(forks.length, 2, 'both children run while the command waits');
+    const seen = () =>
+      forks
+        .map((k) => {
+          try {
+            return `${k} [${nsDepth(k).join(' ')}] ${readFileSync(`/proc/${k}/cmdline`, 'utf8').replace(/\0/g, ' ').slice(0, 100)}`;
+          } catch {
+            return `${k} (gone)`;
+          }
+        })
+        .join('; ');
+    assert.is(forks.length, 2, `both children run while the command waits; found: ${seen()}`);
     p.kill('SIGINT');
     assert.is(await exited, 0, err);
     assert.equal(forks.filter(running), [], 'the children ended with the command');
