@@ -267,6 +267,13 @@ test('diff layers: a corrupt or truncated diff file is refused', () => {
     writeFileSync(path, bad);
     throwsCorrupt(open, what);
   }
+  // A RAM size no VM may have (over 1 TiB), its header checksum made right: refused before a
+  // collapse would allocate per page of it.
+  const huge = Buffer.from(good);
+  huge.writeBigUInt64LE(1n << 41n, 16);
+  huge.writeUInt32LE(s.crc32c(huge.subarray(0, 64)), 64);
+  writeFileSync(path, huge);
+  throwsCorrupt(open, /^branch b is corrupt: diff layer has a bad page or RAM size/);
   writeFileSync(path, good.subarray(0, good.length - PAGE));
   throwsCorrupt(open, /^branch b is corrupt: diff layer is truncated/);
   writeFileSync(path, good);

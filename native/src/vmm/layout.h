@@ -20,6 +20,9 @@ inline constexpr uint64_t kEbda = 0x9fc00;        // MP table lives here (Linux 
 inline constexpr uint64_t kLowMemEnd = 0xa0000;   // end of conventional memory (e820)
 inline constexpr uint64_t kHighMem = 0x100000;    // 1 MiB: bzImage protected-mode code
 
+// The most RAM a VM may have (CheckVmSize), and so any file that describes one.
+inline constexpr uint64_t kMaxRam = 1ull << 40;
+
 // RAM below the hole: up to 3 GiB; the rest goes above 4 GiB.
 inline constexpr uint64_t kPciHole = 0xc0000000ull;
 inline constexpr uint64_t kHighRam = 1ull << 32;

@@ -111,7 +111,7 @@ uint32_t CeilLog2(uint32_t n) {
 
 void CheckVmSize(uint64_t vcpus, uint64_t memory_bytes) {
   if (vcpus < 1 || vcpus > kMaxVcpus) throw std::runtime_error("vcpus must be between 1 and " + std::to_string(kMaxVcpus));
-  if (memory_bytes < (32ull << 20) || memory_bytes > (1ull << 40) || (memory_bytes & ((2ull << 20) - 1)))
+  if (memory_bytes < (32ull << 20) || memory_bytes > layout::kMaxRam || (memory_bytes & ((2ull << 20) - 1)))
     throw std::runtime_error("memory must be a multiple of 2 MiB between 32 MiB and 1 TiB");
 }
 

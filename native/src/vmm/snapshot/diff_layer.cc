@@ -12,6 +12,7 @@
 #include <stdexcept>
 #include <system_error>
 
+#include "vmm/layout.h"
 #include "vmm/snapshot/checksum.h"
 #include "vmm/snapshot/memory_file.h"
 #include "vmm/snapshot/state_file.h"
@@ -140,7 +141,9 @@ std::shared_ptr<DiffLayer> DiffLayer::Open(int fd, const std::string& what) {
   if (std::memcmp(h.magic, kMagic, 8) != 0) throw bad("is not a forkling diff file");
   if (h.header_crc != Crc32c(&h, offsetof(Header, header_crc))) throw bad("header fails its checksum");
   if (h.version != kDiffFormatVersion) throw bad("has an unknown format version");
-  if (h.page_size != kPageSize || h.ram_size == 0 || h.ram_size % kPageSize) throw bad("has a bad page or RAM size");
+  // (a RAM size no VM may have would size what a collapse allocates per page)
+  if (h.page_size != kPageSize || h.ram_size == 0 || h.ram_size % kPageSize || h.ram_size > layout::kMaxRam)
+    throw bad("has a bad page or RAM size");
   const uint64_t ram_pages = h.ram_size / kPageSize;
   if (h.pages > ram_pages || h.index_off != kPageSize || h.data_off < DataOffset(h.pages) ||
       h.data_off % kPageSize || h.data_off > uint64_t(st.st_size) ||

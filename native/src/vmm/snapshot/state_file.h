@@ -62,6 +62,14 @@ int OpenStoreFile(const std::string& path, const std::string& what, const std::s
 // First section with `tag` (and index), or nullptr.
 const Section* FindSection(const std::vector<Section>& s, uint32_t tag, uint32_t index = 0);
 
+// A bool inside a struct copied from a file: only the bytes 0 and 1 are a bool
+// (any other is undefined behaviour once read as one), so it is looked at as a byte first.
+inline void CheckFlag(const bool& b, const std::string& what) {
+  uint8_t v;
+  std::memcpy(&v, &b, 1);
+  if (v > 1) throw CorruptError(what + ": a flag is neither 0 nor 1");
+}
+
 class ByteWriter {
  public:
   template <class T>

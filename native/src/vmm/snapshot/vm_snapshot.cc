@@ -98,6 +98,7 @@ VirtioPciDevice::TransportState DecodeTransport(const Section& s, const std::str
     throw CorruptError(what + " is corrupt: virtio transport " + std::to_string(s.index) + " has ragged fields");
   t.queues.resize(q.size() / sizeof(QueueConfig));
   std::memcpy(t.queues.data(), q.data(), q.size());
+  for (const QueueConfig& c : t.queues) CheckFlag(c.ready, what + " is corrupt: virtio transport " + std::to_string(s.index));
   t.vectors.resize(v.size() / 2);
   std::memcpy(t.vectors.data(), v.data(), v.size());
   t.msix_table.resize(m.size() / 4);
@@ -196,10 +197,15 @@ void Vm::RestoreState(const RestoreSpec& spec) {
         DecodeTransport(*t, what), [&](const GuestMemory& mem, VirtioDevice::NotifyGuest notify) {
           if (d == vsock_.get()) {
             VirtioVsock::State vs = GetPod<VirtioVsock::State>(s, kTagVsock, 0, what, "vsock");
+            CheckFlag(vs.active, what + " is corrupt: vsock");
+            for (const Virtqueue::State& q : vs.queues) CheckFlag(q.config.ready, what + " is corrupt: vsock");
             // The guest keeps its CID; this device is configured with the same one.
             vsock_->RestoreState(mem, vs, std::move(notify));
           } else if (auto* rng = dynamic_cast<VirtioRng*>(d)) {
-            rng->RestoreState(mem, GetPod<VirtioRng::State>(s, kTagRng, 0, what, "rng"), std::move(notify));
+            VirtioRng::State rs = GetPod<VirtioRng::State>(s, kTagRng, 0, what, "rng");
+            CheckFlag(rs.active, what + " is corrupt: rng");
+            CheckFlag(rs.queue.config.ready, what + " is corrupt: rng");
+            rng->RestoreState(mem, rs, std::move(notify));
           }
         });
     if (!err.empty()) throw std::runtime_error(what + ": " + err);
