@@ -9,8 +9,8 @@
 // emulated CPU was delivering natively, and its double-fault bookkeeping runs
 // in the same paths: our suspect (not proven). Not seen outside the lab (a
 // restored tiny guest too, once, 2026-11-30: snapshot-vm.test.ts). Such
-// a boot or fork is retried once, loudly, so the lab tests what it can; a
-// second one fails the test (a benchmark of 100 children may allow more
+// a boot or fork is retried, loudly, so the lab tests what it can; a
+// third one fails the test (a benchmark of 100 children may allow more
 // tries: one in 100 children is enough to fail a fork; a test of children
 // retries as a whole, labTest). Anywhere else there is no retry.
 //
@@ -80,13 +80,14 @@ export type LabFlake = keyof typeof FLAKES;
 /**
  * Runs `fn`; in the lab, retries it after one of the flakes in `kinds`
  * (default: a boot's, an early triple fault or no output at all),
- * `attempts` times in all (default 2).
+ * `attempts` times in all (default 3: a CI run boots Linux dozens of times in
+ * the lab, and one boot that flakes on every try fails the whole run).
  */
 export async function labRetry<T>(
   tag: string,
   fn: () => Promise<T>,
   log: (line: string) => void = console.error,
-  attempts = 2,
+  attempts = 3,
   kinds: LabFlake[] = ['early', 'silent'],
 ): Promise<T> {
   for (let attempt = 1; ; attempt++) {
