@@ -239,17 +239,30 @@ def _image_layers():
     return [skeleton, LAYERS + '/image'] if os.path.isdir(skeleton) else [LAYERS + '/image']
 
 
+def _base_layers():
+    """The read-only layers (top first) under the writable upper of each fork
+    or branch: the template's files (BASE, once the zygote froze them) over
+    the image's. Each is its own lower layer, not one overlay of them all:
+    overlayfs stacks at most two deep, and an image in a store that is itself
+    on overlayfs (a container's root) is one deep already."""
+    return ([BASE] if os.path.ismount(BASE) else []) + _image_layers()
+
+
 def _freeze_base():
-    """Once, before the first fork: the template's files become the read-only
-    base (overlay of its upper over the image, no upper of its own), and the
-    interpreter's objects move to the permanent GC generation so that the
-    collector in a child does not touch (and copy) every inherited page."""
+    """Once, before the first fork: the template's files (the zygote's upper)
+    become the read-only base, and the interpreter's objects move to the
+    permanent GC generation so that the collector in a child does not touch
+    (and copy) every inherited page."""
     if STATE['frozen']:
         return
     os.makedirs(BASE, exist_ok=True)
     os.makedirs(SCRATCH, exist_ok=True)
+    # An overlay without an upper of its own, not a bind of the upper: root in a sandbox could make
+    # a bind writable again (it made it, in its own user namespace), an overlay without upper never
+    # is. (An overlay needs two lower layers when it has no upper: the second is empty.)
+    os.makedirs(LAYERS + '/empty', exist_ok=True)
     mount('overlay', BASE, 'overlay', MS_RDONLY | MS_NOSUID | MS_NODEV,
-          'lowerdir=%s,userxattr' % ':'.join([LAYERS + '/upper'] + _image_layers()))
+          'lowerdir=%s,userxattr' % ':'.join([LAYERS + '/upper', LAYERS + '/empty']))
     # (no fd of it is kept: forks inherit fds, and `..` from a directory fd walks the mount
     # tree it was opened in, the zygote's, even after a fork's own pivot_root)
     STATE['frozen'] = True
@@ -1036,15 +1049,9 @@ def _setup_plan():
     os.makedirs(SCRATCH, exist_ok=True)
     scratch = SCRATCH.encode()
     upper, work, root = scratch + b'/upper', scratch + b'/work', scratch + b'/root'
-    # A fork's lower layer is the zygote's frozen base; a sandbox booted
-    # straight from the image (no zygote) branches on the image itself.
-    if not os.path.isdir(BASE) and os.path.isdir(LAYERS + '/skeleton'):
-        # Without root, a sandbox booted straight from the image branches on
-        # skeleton + image: made once, read-only, like a zygote's base.
-        os.makedirs(BASE, exist_ok=True)
-        mount('overlay', BASE, 'overlay', MS_RDONLY | MS_NOSUID | MS_NODEV,
-              'lowerdir=%s,userxattr' % ':'.join(_image_layers()))
-    base = (BASE if os.path.isdir(BASE) else LAYERS + '/image').encode()
+    # A fork's lower layers are the zygote's frozen base over the image's; a
+    # sandbox booted straight from the image (no zygote) branches on the image's.
+    layers = [x.encode() for x in _base_layers()]
     dev = root + b'/dev'
     before_layer = [
         # A session of its own: kill(0, SIGKILL) in its parent's process group would reach
@@ -1061,14 +1068,20 @@ def _setup_plan():
     # be in this mount namespace (an fd still names the parent's).
     after_layer = [
         _step('mount', b'overlay', root, b'overlay', MS_NOSUID | MS_NODEV,
-              b'lowerdir=%s,upperdir=%s,workdir=%s,userxattr' % (base, upper, work), what='mount the overlay root'),
+              b'lowerdir=%s,upperdir=%s,workdir=%s,userxattr' % (b':'.join(layers), upper, work), what='mount the overlay root'),
         _step('mount', b'tmpfs', root + b'/run', b'tmpfs', MS_NOSUID | MS_NODEV | MS_NOEXEC, b'mode=0755,size=16m', what='mount /run'),
         _step('mkdir', root + RUN.encode(), 0o755),
         _step('mkdir', root + LAYERS.encode(), 0o755),
         _step('mkdir', root + SCRATCH.encode(), 0o755),
-        _step('mkdir', root + BASE.encode(), 0o755),
-        # read-only: what this sandbox's branches build on
-        _step('mount', base, root + BASE.encode(), None, MS_BIND, None, what='bind the base'),
+    ]
+    # What this sandbox's branches build on, at the same paths: read-only (BASE has no upper; the
+    # image and its skeleton are locked read-only by the host's binds).
+    for layer in layers:
+        after_layer += [
+            _step('mkdir', root + layer, 0o755),
+            _step('mount', layer, root + layer, None, MS_BIND, None, what='bind the base layer ' + layer.decode()),
+        ]
+    after_layer += [
         _step('mount', b'proc', root + b'/proc', b'proc', MS_NOSUID | MS_NODEV | MS_NOEXEC, None, what='mount /proc'),
         _step('mount', b'tmpfs', dev, b'tmpfs', MS_NOSUID | MS_NOEXEC, b'mode=0755,size=64k', what='mount /dev'),
     ]

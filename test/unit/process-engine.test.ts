@@ -4,7 +4,7 @@
 // (about a minute, cached in the store).
 import { spawnSync } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { chownSync, existsSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync } from 'node:fs';
+import { chownSync, existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { test } from 'uvu';
@@ -1255,6 +1255,37 @@ test('after a fork the refill of spares waits until what it handed out has answe
     assert.is(await spareEngine.sparesReady(TEMPLATE), 2);
   } finally {
     await spareEngine.close();
+  }
+});
+
+test("an image on overlayfs (a store in a container's root file system): forks, branches of branches and a cold boot work", async () => {
+  // overlayfs stacks at most two deep: a fork's root over one overlay of the template's files and
+  // the image, itself on overlayfs, was three (EINVAL), so forks failed wherever the store was.
+  const dir = mkdtempSync('/tmp/forkling-ovl-');
+  const merged = join(dir, 'rootfs');
+  for (const d of ['upper', 'work', 'rootfs']) mkdirSync(join(dir, d));
+  const lower = (await ensureImage('default')).rootfs;
+  const m = spawnSync('mount', ['-t', 'overlay', 'overlay', '-o', `lowerdir=${lower},upperdir=${dir}/upper,workdir=${dir}/work`, merged], { encoding: 'utf8' });
+  assert.is(m.status, 0, `mount the overlay: ${m.stderr}`);
+  const e = new ProcessEngine({ rootfsOf: async () => merged, warn: () => {} });
+  const name = `${TEMPLATE}-ovl`;
+  try {
+    await e.createTemplate({ name, image: 'default', warmup: 'W = "warm"' });
+    const [a] = await e.fork(name, 1);
+    assert.is(await val(a!.agent, 'W'), 'warm');
+    const [b] = await e.branch(a!, 1);
+    await val(b!.agent, 'X = 1\nopen("/tmp/b", "w").write("b")');
+    const [c] = await e.branch(b!, 1);
+    assert.equal(await val(c!.agent, '(W, X, open("/tmp/b").read())'), ['warm', 1, 'b']);
+    const booted = await e.boot({ image: 'default' });
+    await val(booted.agent, 'open("/tmp/cold", "w").write("c")');
+    const [bb] = await e.branch(booted, 1);
+    assert.is(await val(bb!.agent, 'open("/tmp/cold").read()'), 'c');
+  } finally {
+    await e.close();
+    rmSync(storePath('process-templates', `${name}.json`), { force: true });
+    spawnSync('umount', ['-l', merged]);
+    rmSync(dir, { recursive: true, force: true });
   }
 });
 
