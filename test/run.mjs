@@ -219,12 +219,13 @@ async function runLab(title, labFilter) {
 /**
  * Where /dev/kvm works, the KVM tests run directly (real timings) and the lab
  * still boots once with the raw KVM test, so the lab itself stays tested for
- * hosts without KVM. Where it does not, every KVM test runs in the lab.
+ * hosts without KVM, and with the cgroup v2 test, for hosts with v1. Where it does not, every KVM test runs in the lab.
  */
 async function runKvm({ forceLab }) {
   if (kvmUsable() && !forceLab) {
     await runFiles('KVM tests (directly: /dev/kvm is usable here)', listTests('test/kvm'), { parallel: 1, timeoutMs: KVM_FILE_LIMIT_S * 1000 });
-    await runLab('KVM lab smoke test (software-emulated machine with nested KVM)', 'kvm-raw');
+    // (and the process engine on cgroup v2, which the lab's Linux has: process-cgroup-v2.test.ts)
+    await runLab('KVM lab smoke test (software-emulated machine with nested KVM) and cgroup v2', 'kvm-raw|process-cgroup-v2');
     return;
   }
   await runLab('KVM lab (software-emulated machine with nested KVM): all KVM tests', process.env.FORKLING_TEST_FILTER);

@@ -1,9 +1,11 @@
 // Host checks shared by `forkling doctor` and engine selection. Each check is
 // quick, reads the system as it is, and says how to fix what fails.
 import { spawnSync } from 'node:child_process';
+import { randomBytes } from 'node:crypto';
 import { accessSync, constants, existsSync, readFileSync, statfsSync } from 'node:fs';
 import { release } from 'node:os';
 import { dirname } from 'node:path';
+import { CgroupTree } from '../engine/process/cgroups.ts';
 import { storeRoot } from '../store.ts';
 import { probeKvm } from './kvm-probe.ts';
 
@@ -47,20 +49,25 @@ function kernelCheck(): Check {
     : { name: 'host kernel', status: 'warn', detail: `Linux ${r} is older than 5.10; untested`, fix: 'use a host kernel 5.10 or newer' };
 }
 
+/**
+ * What the process engine's cgroup set-up does here, found by doing it (and
+ * undoing it): v1 or v2 and its warning, e.g. a v2 cgroup shared with other
+ * processes, which cannot pass controllers on. (Where this process is alone in
+ * its v2 cgroup it moves into a leaf of its own, as the engine does.)
+ */
 function cgroupCheck(): Check {
-  const v2 = existsSync('/sys/fs/cgroup/cgroup.controllers');
-  const v1 = ['memory', 'pids', 'cpu'].filter((c) => existsSync(`/sys/fs/cgroup/${c}/tasks`));
-  if (v2) {
-    const ctrl = readText('/sys/fs/cgroup/cgroup.controllers') ?? '';
-    return { name: 'cgroups', status: 'pass', detail: `v2 (controllers: ${ctrl || 'none delegated'})` };
+  const tree = new CgroupTree(`forkling-p${process.pid}-${randomBytes(4).toString('hex')}`);
+  tree.close();
+  if (tree.mode === 'none') {
+    return {
+      name: 'cgroups',
+      status: 'warn',
+      detail: tree.warning ?? 'no usable cgroup hierarchy',
+      fix: 'mount cgroup v2 at /sys/fs/cgroup and run forkling in a cgroup of its own (e.g. `systemd-run --scope -p Delegate=yes forkling ...`) for memory, pids and cpu limits in the process engine',
+    };
   }
-  if (v1.length === 3) return { name: 'cgroups', status: 'pass', detail: `v1 (${v1.join(', ')})` };
-  return {
-    name: 'cgroups',
-    status: 'warn',
-    detail: v1.length ? `v1, only ${v1.join(', ')}` : 'no usable cgroup hierarchy',
-    fix: 'mount cgroup v2 at /sys/fs/cgroup for memory/pids/cpu limits in the process engine',
-  };
+  if (tree.warning) return { name: 'cgroups', status: 'warn', detail: `${tree.mode}: ${tree.warning}` };
+  return { name: 'cgroups', status: 'pass', detail: `${tree.mode}: memory, pids and cpu limits for process-engine sandboxes` };
 }
 
 /** The cgroup mounts in a /proc/self/mountinfo text: mount point and super options (favordynmods shows there). */

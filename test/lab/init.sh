@@ -41,6 +41,9 @@ mkdir -p /hostroot
 mount -o bind /host /hostroot || fail "bind of the host root failed"
 mount -t proc proc /host/proc
 mount -t sysfs sysfs /host/sys
+# cgroup v2 only, as most hosts now have it (this machine and CI have v1): the
+# process engine's v2 path is tested in here (test/kvm/process-cgroup-v2.test.ts).
+mount -t cgroup2 cgroup2 /host/sys/fs/cgroup || fail "mount of cgroup2 failed"
 mount -t devtmpfs devtmpfs /host/dev
 mkdir -p /host/dev/pts /host/dev/shm
 mount -t devpts devpts /host/dev/pts
@@ -88,7 +91,10 @@ dmesg -n 1
 ) &
 dmesg_before=$(dmesg | wc -l)
 echo "LAB-NODE-START $(cut -d' ' -f1 /proc/uptime)"
-timeout -s KILL "$LAB_INNER_TIMEOUT" chroot /host /usr/bin/env -i \
+# The host's root becomes the root of a mount namespace of its own (as
+# switch_root does), not a chroot: the kernel refuses user namespaces to a
+# chrooted process, and the process engine's sandboxes need them.
+timeout -s KILL "$LAB_INNER_TIMEOUT" unshare -m /bin/sh -c 'cd /host && mount --move . / && exec chroot . "$@"' lab /usr/bin/env -i \
 	PATH="$LAB_PATH" HOME=/tmp TMPDIR=/tmp TERM=dumb LANG=C.UTF-8 \
 	CI="$LAB_CI" FORKLING_HOME="$STORE" FORKLING_TEST_FILTER="$LAB_FILTER" FORKLING_IN_LAB=1 \
 	LAB_COMMAND="$LAB_COMMAND" /bin/sh -c '

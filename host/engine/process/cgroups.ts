@@ -2,10 +2,11 @@
 // (memory, pids, cpu; freezer for pause), under a directory per engine inside
 // the cgroup this process already runs in. cgroup v1 hierarchies are used
 // where the controllers are bound there (hybrid hosts), else cgroup v2 where
-// the controllers can be enabled below us; otherwise no limits, with one
+// the controllers can be enabled below us (moving this process into a leaf
+// of its own where it is alone in its cgroup); otherwise no limits, with one
 // warning that says why.
 import { existsSync, mkdirSync, readdirSync, readFileSync, rmdirSync, writeFileSync } from 'node:fs';
-import { join } from 'node:path';
+import { basename, dirname, join } from 'node:path';
 import { pollUntil } from '../../util/poll.ts';
 import { processRunning } from '../../util/process.ts';
 
@@ -81,12 +82,57 @@ export function engineDirsOf(pid: number): string[] {
   const path = v1 ? paths.get('pids') : paths.get('');
   const mount = v1 ?? v2;
   if (!mount || path === undefined) return [];
-  const parent = under(mount, path);
+  const own = under(mount, path);
+  const parent = basename(own) === hostLeaf(pid) ? dirname(own) : own;
   let names: string[] = [];
   try {
     names = readdirSync(parent);
   } catch {}
   return names.filter((n) => n.startsWith(`forkling-p${pid}-`)).map((n) => join(parent, n));
+}
+
+/** The leaf cgroup (v2) this process moves into so that the cgroup it ran in may hold its sandboxes' cgroups. */
+const hostLeaf = (pid: number) => `forkling-host-p${pid}`;
+
+/** The cgroup (v2) whose children our engines' directories are: ours, or above our leaf once we moved into it. */
+function v2Home(own: string): string {
+  return basename(own) === hostLeaf(process.pid) ? dirname(own) : own;
+}
+
+/**
+ * Enables controllers (v2) for the cgroups below `mine`; null, or why not.
+ * Outside the root, a cgroup that holds processes cannot ("no internal
+ * processes"): where the only one is this process (a cgroup given to it
+ * alone, e.g. by `systemd-run --scope -p Delegate=yes`), it moves into a leaf
+ * of its own below `mine` first, as container runtimes do.
+ */
+function enableV2(mine: string, want: string[]): string | null {
+  const enable = () => writeFileSync(join(mine, 'cgroup.subtree_control'), want.map((c) => `+${c}`).join(' '));
+  const fix = 'run forkling in a cgroup of its own that it may write, e.g. `systemd-run --scope -p Delegate=yes forkling ...`';
+  try {
+    enable();
+    return null;
+  } catch (e) {
+    const code = (e as NodeJS.ErrnoException).code;
+    if (code !== 'EBUSY') return `${code}; ${fix}`;
+  }
+  let procs: number[] = [];
+  try {
+    procs = readFileSync(join(mine, 'cgroup.procs'), 'utf8').split('\n').filter(Boolean).map(Number);
+  } catch {}
+  const others = procs.filter((p) => p !== process.pid);
+  if (others.length) {
+    return `other processes are in it (${others.slice(0, 5).join(', ')}${others.length > 5 ? ', ...' : ''}), and a cgroup with processes cannot pass controllers on; ${fix}`;
+  }
+  try {
+    const leaf = join(mine, hostLeaf(process.pid));
+    mkdirSync(leaf, { recursive: true });
+    writeFileSync(join(leaf, 'cgroup.procs'), String(process.pid));
+    enable();
+    return null;
+  } catch (e) {
+    return `moving this process into a leaf cgroup of its own failed (${(e as NodeJS.ErrnoException).code}); ${fix}`;
+  }
 }
 
 /**
@@ -102,8 +148,8 @@ function removeStale(parent: string): void {
     return;
   }
   for (const name of names) {
-    const m = /^forkling-p(\d+)-[0-9a-f]+$/.exec(name);
-    if (!m || processRunning(Number(m[1]))) continue;
+    const m = /^forkling-(?:host-p(\d+)|p(\d+)-[0-9a-f]+)$/.exec(name);
+    if (!m || processRunning(Number(m[1] ?? m[2]))) continue;
     const dir = join(parent, name);
     try {
       for (const e of readdirSync(dir, { withFileTypes: true })) {
@@ -237,27 +283,23 @@ export class CgroupTree {
         const m2 = ms.find((x) => x.fstype === 'cgroup2');
         const path = own.get('');
         if (m2 && path !== undefined) {
-          const mine = under(m2, path);
+          const mine = v2Home(under(m2, path));
           const avail = readFileSync(join(mine, 'cgroup.controllers'), 'utf8').trim().split(/\s+/);
           const want = ['memory', 'pids', 'cpu'].filter((c) => avail.includes(c));
           if (want.length === 0) {
             warning = `${warning ? `${warning}; ` : ''}cgroup v2 at ${mine} offers none of memory, pids, cpu to us`;
           } else {
-            const dir = join(mine, tag);
             removeStale(mine);
-            mkdirSync(dir, { recursive: true });
-            this.roots.push(dir);
-            try {
-              // Controllers reach our sandboxes only if enabled here and in our own cgroup.
-              writeFileSync(join(mine, 'cgroup.subtree_control'), want.map((c) => `+${c}`).join(' '));
+            const why = enableV2(mine, want);
+            if (why) {
+              warning = `cgroup v2: cannot enable ${want.join(', ')} below ${mine}: ${why}`;
+            } else {
+              const dir = join(mine, tag);
+              mkdirSync(dir, { recursive: true });
+              this.roots.push(dir);
               writeFileSync(join(dir, 'cgroup.subtree_control'), want.map((c) => `+${c}`).join(' '));
               this.v2dir = dir;
               mode = 'v2';
-            } catch (e) {
-              warning =
-                `cgroup v2: cannot enable ${want.join(', ')} below ${mine} (${(e as NodeJS.ErrnoException).code}; ` +
-                'a cgroup with processes cannot delegate); run forkling in a delegated cgroup, e.g. ' +
-                '`systemd-run --scope -p Delegate=yes forkling ...`';
             }
           }
         } else {
