@@ -1,7 +1,8 @@
 // Snapshots of whole VMs with a tiny guest (test/kvm/tiny-guest.ts), so the
 // VMM side is tested without booting Linux: a template continues in its
 // children (memory and registers restored), children are independent
-// copy-on-write mappings of the memory file, corrupt templates are refused,
+// copy-on-write mappings of the memory file, corrupt templates are refused
+// (a bad checksum, a truncated file, a device flag that is no bool),
 // branches of branches to depth 9 continue their source, and killed children
 // leave no mapping behind.
 import { existsSync, mkdtempSync, readFileSync, renameSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
@@ -11,7 +12,7 @@ import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import type { NativePreparedVm, NativeReclaim, NativeSnapshot, NativeVm, NativeVmEvent } from '../../host/engine/kvm/native-vm.ts';
 import { nativeVmClass } from '../../host/engine/kvm/native-vm.ts';
-import { snapshotNative } from '../../host/engine/kvm/snapshot-native.ts';
+import { sectionTag, snapshotNative } from '../../host/engine/kvm/snapshot-native.ts';
 import { labRetry } from './lab-flake.ts';
 import { COUNTER_STEP, counterOf, writeTinyGuest } from './tiny-guest.ts';
 
@@ -257,6 +258,25 @@ test('a corrupt or truncated template is refused, never restored', () => {
     throwsCorrupt(() => s.loadTemplate(tpl, 'template tiny'), /truncated/);
     rmSync(join(tpl, 'memory.bin'));
     throwsCorrupt(() => s.loadTemplate(tpl, 'template tiny'), /memory file .* is missing/);
+    writeFileSync(join(tpl, 'memory.bin'), memory);
+    // A flag that is neither 0 nor 1 (queue 0's `ready` in virtio transport 0: after 24 bytes of
+    // registers, the queues' length and the queue's u16 size), in a state file whose checksums are
+    // right: refused when a VM is restored, never taken as a bool.
+    const secs = s.decodeStateFile(state, 'template tiny');
+    const transport = secs.find((x) => x.tag === sectionTag('VPCI') && x.index === 0);
+    assert.ok(transport && Buffer.from(transport.data).readUInt32LE(24) >= 32 && transport.data[30]! <= 1, 'transport 0 with its queues');
+    const flag = Uint8Array.from(transport.data);
+    flag[30] = 2;
+    writeFileSync(join(tpl, 'state.bin'), s.encodeStateFile(secs.map((x) => (x === transport ? { ...x, data: flag } : x))));
+    let restored: Tiny | undefined;
+    let refused: unknown;
+    try {
+      restored = new Tiny({ restore: s.loadTemplate(tpl, 'template tiny') });
+    } catch (e) {
+      refused = e;
+    }
+    restored?.vm.kill();
+    assert.match(String(refused), /virtio transport 0: a flag is neither 0 nor 1/);
   } finally {
     writeFileSync(join(tpl, 'state.bin'), state);
     writeFileSync(join(tpl, 'memory.bin'), memory);
