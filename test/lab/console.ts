@@ -29,6 +29,8 @@ export class LabConsole {
   lastLineAt: number;
   /** The longest time a CPU of the lab has been stuck in its kernel (a soft lockup report), seconds. */
   stuckS = 0;
+  /** When the lab's last heartbeat (LAB-BEAT, from its init) came; null before the first. */
+  lastBeatAt: number | null = null;
   private readonly tail: string[] = [];
   private pendingFailures: string[] = [];
   /** The inner suite's recap of what failed (the lines under RECAP_TITLE), while it is being read. */
@@ -70,6 +72,10 @@ export class LabConsole {
   line(raw: string): void {
     // Serial output carries CRs and, at boot, escape sequences from the firmware.
     const line = raw.replace(/\r/g, '').replace(/\x1b\[[0-9;?]*[A-Za-z]/g, '');
+    if (line.startsWith('LAB-BEAT ')) {
+      this.lastBeatAt = this.now(); // (not output: neither shown nor counted against silence)
+      return;
+    }
     if (!KERNEL_LOG_RE.test(line)) this.lastLineAt = this.now();
     const stuck = SOFT_LOCKUP_RE.exec(line);
     if (stuck) this.stuckS = Math.max(this.stuckS, Number(stuck[1]));

@@ -89,6 +89,15 @@ dmesg -n 1
 		seen=$n
 	done
 ) &
+# A heartbeat from the lab's own shell, not from the suite: while it comes the
+# lab's kernel runs, however long a test is quiet; when it stops, the lab froze
+# (the runner then boots it again at once, not after the suite's silence limit).
+# One write per line: the console's tty never cuts it into another writer's line.
+(
+	while sleep 20; do
+		echo "LAB-BEAT $(cut -d' ' -f1 /proc/uptime)"
+	done
+) &
 dmesg_before=$(dmesg | wc -l)
 echo "LAB-NODE-START $(cut -d' ' -f1 /proc/uptime)"
 # The host's root becomes the root of a mount namespace of its own (as

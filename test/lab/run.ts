@@ -10,6 +10,8 @@
 //                           for the unfinished files (default 690: the inner limit per file + 90)
 //   FORKLING_LAB_LOCKUP_S   a CPU of the lab stuck in its kernel this long (its soft lockup report)
 //                           also means it froze (default 180)
+//   FORKLING_LAB_BEAT_S     no heartbeat (LAB-BEAT, every 20 s from the lab's init) for this long
+//                           also means it froze (default 150)
 //   FORKLING_LAB_CRASH_REBOOTS  boots again after a crash or freeze of the lab itself (default 3)
 //   FORKLING_LAB_MEM_MB     the lab machine's RAM (default 6144: nested guests take 1-2 GiB, the
 //                           store overlay and /tmp live in RAM; QEMU only backs what is touched)
@@ -168,11 +170,16 @@ async function main(startedAt: number): Promise<Summary> {
   let frozen: string | null = null;
   const silenceS = envWhole('FORKLING_LAB_SILENCE_S', KVM_FILE_LIMIT_S + 90, 30, 86400);
   const lockupS = envWhole('FORKLING_LAB_LOCKUP_S', 180, 30, 86400);
+  const beatS = envWhole('FORKLING_LAB_BEAT_S', 150, 30, 86400);
   const watch = setInterval(() => {
     if (frozen || timedOut) return;
+    const now = Date.now();
     if (con.stuckS >= lockupS) frozen = `a CPU of the lab was stuck in its kernel for ${con.stuckS}s (soft lockup; FORKLING_LAB_LOCKUP_S=${lockupS})`;
-    else if (Date.now() - con.lastLineAt >= silenceS * 1000) frozen = `no console output for ${silenceS}s (FORKLING_LAB_SILENCE_S)`;
-    else return;
+    else if (con.lastBeatAt !== null && now - con.lastBeatAt >= beatS * 1000) frozen = `no heartbeat from the lab's shell for ${beatS}s (FORKLING_LAB_BEAT_S)`;
+    else if (now - con.lastLineAt >= silenceS * 1000) {
+      const beat = con.lastBeatAt === null ? 'no heartbeat came' : `its heartbeat came ${((now - con.lastBeatAt) / 1000).toFixed(0)}s ago: its kernel ran`;
+      frozen = `no console output for ${silenceS}s (FORKLING_LAB_SILENCE_S; ${beat})`;
+    } else return;
     say(`LAB FROZEN: ${frozen} while ${con.runningFile ?? 'the suite'} ran; killing qemu`);
     killQemu();
   }, 5000);

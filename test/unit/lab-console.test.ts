@@ -81,6 +81,21 @@ test('console: the file the inner suite runs, and when the last line came (to te
   assert.ok(!con.stages.has('first-output') || con.stages.get('first-output') === 900, 'LAB-FILE lines are not output of the suite');
 });
 
+test("console: the lab's heartbeat says when it last ran; it is neither shown, nor output, nor in the tail", () => {
+  let t = 100;
+  const shown: string[] = [];
+  const con = new LabConsole((l) => shown.push(l), () => t);
+  con.feed('LAB-NODE-START 3.0\n');
+  assert.is(con.lastBeatAt, null, 'none before the first');
+  t = 300;
+  con.feed('LAB-BEAT 23.1\n');
+  assert.is(con.lastBeatAt, 300);
+  assert.is(con.lastLineAt, 100, 'a heartbeat is not output of the suite');
+  assert.not.ok(con.stages.has('first-output'));
+  assert.equal(shown, ['LAB-NODE-START 3.0']);
+  assert.equal(con.lastLines(), ['LAB-NODE-START 3.0']);
+});
+
 test("console: the lab kernel's soft lockup reports tell a stuck CPU, and its log lines are not the suite's output", () => {
   let t = 100;
   const con = new LabConsole(undefined, () => t);
