@@ -12,7 +12,7 @@
 //                           also means it froze (default 180)
 //   FORKLING_LAB_BEAT_S     no heartbeat (LAB-BEAT, every 20 s from the lab's init) for this long
 //                           also means it froze (default 150)
-//   FORKLING_LAB_CRASH_REBOOTS  boots again after a crash or freeze of the lab itself (default 3)
+//   FORKLING_LAB_CRASH_REBOOTS  boots again after a crash or freeze of the lab itself (default 5)
 //   FORKLING_LAB_MEM_MB     the lab machine's RAM (default 6144: nested guests take 1-2 GiB, the
 //                           store overlay and /tmp live in RAM; QEMU only backs what is touched)
 //   FORKLING_LAB_CPUS       its vCPUs (default 2)
@@ -268,14 +268,14 @@ function finishedFiles(lines: string[]): Map<string, { total: number; passed: nu
  * When the lab machine itself crashed or froze, boot it again for the test
  * files that had not finished (or the whole FORKLING_LAB_COMMAND), and count
  * the finished ones as they ended. Said loudly each time; after
- * FORKLING_LAB_CRASH_REBOOTS reboots (default 3: one run on 2026-12-01 needed two) another one fails the run.
+ * FORKLING_LAB_CRASH_REBOOTS reboots (default 5: one run on 2026-12-02 needed three; with the heartbeat a frozen lab costs minutes, not 11.5) another one fails the run.
  * Both are the lab's own kernel under QEMU's nested SVM, several times a day on
  * a loaded machine: a panic in one of our vCPU threads, no output at all while
  * both of the lab's CPUs spin, or one of its CPUs stuck in the kernel (a file
  * that froze it is run again, so one that does it every time still fails).
  */
 async function rerunAfterLabCrash(first: Summary, startedAt: number): Promise<Summary> {
-  const reboots = envWhole('FORKLING_LAB_CRASH_REBOOTS', 3, 0, 10);
+  const reboots = envWhole('FORKLING_LAB_CRASH_REBOOTS', 5, 0, 10);
   const filter = process.env.FORKLING_TEST_FILTER ? new RegExp(process.env.FORKLING_TEST_FILTER) : null;
   const all = readdirSync(join(REPO, 'test', 'kvm'))
     .filter((f) => f.endsWith('.test.ts'))
