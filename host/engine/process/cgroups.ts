@@ -82,8 +82,7 @@ export function engineDirsOf(pid: number): string[] {
   const path = v1 ? paths.get('pids') : paths.get('');
   const mount = v1 ?? v2;
   if (!mount || path === undefined) return [];
-  const own = under(mount, path);
-  const parent = basename(own) === hostLeaf(pid) ? dirname(own) : own;
+  const parent = v2Home(under(mount, path), pid); // (v1: no leaf, its own cgroup)
   let names: string[] = [];
   try {
     names = readdirSync(parent);
@@ -94,10 +93,13 @@ export function engineDirsOf(pid: number): string[] {
 /** The leaf cgroup (v2) this process moves into so that the cgroup it ran in may hold its sandboxes' cgroups. */
 const hostLeaf = (pid: number) => `forkling-host-p${pid}`;
 
-/** The cgroup (v2) whose children our engines' directories are: ours, or above our leaf once we moved into it. */
-function v2Home(own: string): string {
-  return basename(own) === hostLeaf(process.pid) ? dirname(own) : own;
+/** The cgroup (v2) whose children process `pid`'s engine directories are: its own, or above its leaf once it moved into it. */
+function v2Home(own: string, pid = process.pid): string {
+  return basename(own) === hostLeaf(pid) ? dirname(own) : own;
 }
+
+/** Enables controllers (v2) for the cgroups below `dir`. */
+const enableBelow = (dir: string, want: string[]) => writeFileSync(join(dir, 'cgroup.subtree_control'), want.map((c) => `+${c}`).join(' '));
 
 /**
  * Enables controllers (v2) for the cgroups below `mine`; null, or why not.
@@ -107,10 +109,9 @@ function v2Home(own: string): string {
  * of its own below `mine` first, as container runtimes do.
  */
 function enableV2(mine: string, want: string[]): string | null {
-  const enable = () => writeFileSync(join(mine, 'cgroup.subtree_control'), want.map((c) => `+${c}`).join(' '));
   const fix = 'run forkling in a cgroup of its own that it may write, e.g. `systemd-run --scope -p Delegate=yes forkling ...`';
   try {
-    enable();
+    enableBelow(mine, want);
     return null;
   } catch (e) {
     const code = (e as NodeJS.ErrnoException).code;
@@ -128,7 +129,7 @@ function enableV2(mine: string, want: string[]): string | null {
     const leaf = join(mine, hostLeaf(process.pid));
     mkdirSync(leaf, { recursive: true });
     writeFileSync(join(leaf, 'cgroup.procs'), String(process.pid));
-    enable();
+    enableBelow(mine, want);
     return null;
   } catch (e) {
     return `moving this process into a leaf cgroup of its own failed (${(e as NodeJS.ErrnoException).code}); ${fix}`;
@@ -297,7 +298,7 @@ export class CgroupTree {
               const dir = join(mine, tag);
               mkdirSync(dir, { recursive: true });
               this.roots.push(dir);
-              writeFileSync(join(dir, 'cgroup.subtree_control'), want.map((c) => `+${c}`).join(' '));
+              enableBelow(dir, want);
               this.v2dir = dir;
               mode = 'v2';
             }
