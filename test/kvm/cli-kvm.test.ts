@@ -47,6 +47,7 @@ test('template create, ls, fork (--json, --exec) and rm with the KVM engine', ()
 
   const exec = cli('fork', NAME, '-n', '2', '--exec', 'cat /proc/sys/kernel/hostname; echo oops >&2; exit 3', '--json');
   assert.is.not(exec.status, 0, 'a failing command fails the fork command');
+  assert.ok(exec.stdout.trim(), `fork --exec printed its report: ${exec.stderr}`);
   const ex = JSON.parse(exec.stdout);
   for (const c of ex.children) {
     assert.is(c.stdout, `${c.id}\n`);

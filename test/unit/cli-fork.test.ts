@@ -67,7 +67,8 @@ function forksUnder(pid: number): number[] {
         try {
           ns = nsDepth(k);
         } catch {} // (gone meanwhile)
-        if (ns.length === depth && ns[ns.length - 1] === '1') out.push(k);
+        // (not a zombie: a fork that ended, e.g. the template's rehearsal, until its parent reaps it)
+        if (ns.length === depth && ns[ns.length - 1] === '1' && running(k)) out.push(k);
         walk(k);
       }
     }
