@@ -8,6 +8,12 @@
 //   new vmmTesting.VirtioTestDevice('rng' | 'vsock', {
 //     memorySize, regions?: [gpa, size][], guestCid?, socketPath?,
 //     onEvent?: (kind: 'interrupt' | 'failure', value: number | string) => void })
+//
+// And guest RAM mapped from a file as a restored VM maps it, read through the
+// checked accessors that device models use (the SIGBUS guard, vmm/ram_guard.h):
+//
+//   new vmmTesting.GuestRamProbe(path, size): read(gpa, len) -> Buffer | null,
+//     lost() -> boolean, close()
 #include <napi.h>
 #include <sys/mman.h>
 
@@ -17,6 +23,7 @@
 
 #include "errno_error.h"
 #include "js_uint.h"
+#include "vmm/guest_ram.h"
 #include "vmm/virtio_rng.h"
 #include "vmm/virtio_vsock.h"
 
@@ -392,11 +399,48 @@ class VirtioTestDevice : public Napi::ObjectWrap<VirtioTestDevice> {
   bool has_tsfn_ = false;
 };
 
+class GuestRamProbe : public Napi::ObjectWrap<GuestRamProbe> {
+ public:
+  static Napi::Function Define(Napi::Env env) {
+    return DefineClass(env, "GuestRamProbe",
+                       {InstanceMethod("read", &GuestRamProbe::Read), InstanceMethod("lost", &GuestRamProbe::Lost),
+                        InstanceMethod("close", &GuestRamProbe::Close)});
+  }
+  explicit GuestRamProbe(const Napi::CallbackInfo& info) : Napi::ObjectWrap<GuestRamProbe>(info) {
+    Napi::Env env = info.Env();
+    if (info.Length() < 2 || !info[0].IsString()) throw Napi::TypeError::New(env, "GuestRamProbe(path, size)");
+    const uint64_t size = ToUint(env, info[1], "size", kMaxTestRam);
+    try {
+      ram_ = vmm::GuestRam::MapFilePrivate(info[0].As<Napi::String>().Utf8Value(), size);
+    } catch (const std::system_error& e) {
+      throw Napi::Error::New(env, e.what());
+    }
+  }
+
+ private:
+  Napi::Value Read(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    const uint64_t gpa = ToUint(env, info[0], "gpa", UINT64_MAX);
+    const uint64_t len = ToUint(env, info[1], "len", 1 << 20);
+    Napi::Buffer<uint8_t> out = Napi::Buffer<uint8_t>::New(env, len);
+    if (!ram_.memory().ReadBytes(gpa, out.Data(), len)) return env.Null();
+    return out;
+  }
+  Napi::Value Lost(const Napi::CallbackInfo& info) { return Napi::Boolean::New(info.Env(), ram_.memory().lost()); }
+  Napi::Value Close(const Napi::CallbackInfo& info) {
+    ram_.Release();
+    return info.Env().Undefined();
+  }
+
+  vmm::GuestRam ram_;
+};
+
 }  // namespace
 
 void InitVmmTesting(Napi::Env env, Napi::Object exports) {
   Napi::Object t = Napi::Object::New(env);
   t.Set("VirtioTestDevice", VirtioTestDevice::Define(env));
+  t.Set("GuestRamProbe", GuestRamProbe::Define(env));
   exports.Set("vmmTesting", t);
 }
 

@@ -74,8 +74,16 @@ export interface VirtioTestDevice {
   close(): void;
 }
 
+/** Guest RAM mapped from a file as a restored VM's is, read as device models read it (native/src/vmm/ram_guard.h). */
+export interface GuestRamProbe {
+  read(gpa: number, len: number): Uint8Array | null;
+  lost(): boolean;
+  close(): void;
+}
+
 interface VmmTesting {
   VirtioTestDevice: new (kind: 'rng' | 'vsock', options: TestDeviceOptions) => VirtioTestDevice;
+  GuestRamProbe: new (path: string, size: number) => GuestRamProbe;
 }
 
 export function vmmTesting(): VmmTesting {

@@ -4,6 +4,7 @@
 // the VMM touch host memory outside its RAM.
 #pragma once
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -64,6 +65,12 @@ class GuestMemory {
 
   bool Contains(uint64_t gpa, uint64_t len) const { return Ptr(gpa, len) != nullptr; }
 
+  // True once a host read or write of this RAM met a file it maps that was
+  // cut short or unreadable (vmm/ram_guard.h): the RAM reads as zeros from
+  // then on, and whoever sees this stops the VM.
+  bool lost() const { return lost_ && lost_->load(std::memory_order_acquire) != 0; }
+  void set_lost_flag(const std::atomic<uint32_t>* flag) { lost_ = flag; }
+
   // Copies of plain values (the guest may change memory concurrently, so a
   // value is read once into host memory and checked there).
   template <class T>
@@ -98,6 +105,7 @@ class GuestMemory {
  private:
   std::array<GuestRegion, kMaxRegions> regions_{};
   size_t count_ = 0;
+  const std::atomic<uint32_t>* lost_ = nullptr;
 };
 
 }  // namespace forkling::vmm

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "vmm/layout.h"
+#include "vmm/ram_guard.h"
 
 namespace forkling::vmm {
 namespace {
@@ -70,17 +71,21 @@ GuestRam& GuestRam::operator=(GuestRam&& o) noexcept {
     host_ = o.host_;
     size_ = o.size_;
     fd_ = o.fd_;
+    guard_ = o.guard_;
     shared_ = o.shared_;
     mem_ = o.mem_;
     o.host_ = nullptr;
     o.size_ = 0;
     o.fd_ = -1;
+    o.guard_ = -1;
     o.mem_ = GuestMemory();
   }
   return *this;
 }
 
 void GuestRam::Release() {
+  ram_guard::Unregister(guard_);  // (before the range can be mapped again by anyone)
+  guard_ = -1;
   if (host_) munmap(host_, size_);
   if (fd_ >= 0) close(fd_);
   host_ = nullptr;
@@ -92,7 +97,9 @@ void GuestRam::Release() {
 uint64_t GuestRam::low_size() const { return size_ < layout::kPciHole ? size_ : layout::kPciHole; }
 
 void GuestRam::BuildRegions() {
+  if (guard_ < 0) guard_ = ram_guard::Register(host_, size_);
   mem_ = GuestMemory();
+  mem_.set_lost_flag(ram_guard::LostFlag(guard_));
   mem_.AddRegion(0, host_, low_size());
   if (high_size()) mem_.AddRegion(layout::kHighRam, host_ + low_size(), high_size());
 }

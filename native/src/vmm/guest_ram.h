@@ -2,7 +2,8 @@
 // around the PCI hole (below 3 GiB, then from 4 GiB). Backed either by a fresh
 // memfd mapped MAP_SHARED (a booting VM: part 2 writes the memfd out as the
 // snapshot) or by an existing memory file mapped MAP_PRIVATE (a forked child:
-// reads share the page cache, writes copy one page).
+// reads share the page cache, writes copy one page). Every mapping is
+// guarded against SIGBUS (vmm/ram_guard.h): memory().lost() says so.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -49,6 +50,7 @@ class GuestRam {
   uint8_t* host_ = nullptr;
   uint64_t size_ = 0;
   int fd_ = -1;
+  int guard_ = -1;  // ram_guard slot
   bool shared_ = false;
   GuestMemory mem_;
 };

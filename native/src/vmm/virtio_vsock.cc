@@ -435,6 +435,10 @@ void VirtioVsock::Loop() {
       sync_target = sync_requested_;
     }
     guarded([&] { Pass(); });
+    if (mem_.lost()) {  // (what it read of the rings were zeros: vmm/ram_guard.h; the VM stops on this failure)
+      FailDevice("vsock: guest RAM lost (a file it maps was cut short or could not be read)");
+      break;
+    }
     {
       std::lock_guard<std::mutex> l(sync_mu_);
       if (sync_target > sync_done_) sync_done_ = sync_target;

@@ -241,6 +241,7 @@ void Vm::SetupDevices() {
     auto pd = std::make_shared<VirtioPciDevice>(
         std::move(dev), ram_.memory(), bar, [this](uint64_t a, uint32_t d) { SignalMsi(a, d); },
         [this, name, reports](const std::string& message) {
+          if (ram_.memory().lost()) RequestStop("error", RamLostMessage());  // (what the device read was zeros)
           uint32_t n = reports->fetch_add(1);
           if (n < kMaxDeviceErrorReports) {
             on_event_(VmEvent{VmEvent::Type::kDeviceError, name, message, {}});
@@ -448,6 +449,10 @@ void Vm::VcpuLoop(uint32_t index) {
     // makes KVM_RUN return at once.
     __atomic_store_n(&run->immediate_exit, 0, __ATOMIC_SEQ_CST);
     if (stop_flag_.load()) break;
+    if (ram_.memory().lost()) {  // (a device model or a snapshot met a file cut short: ram_guard.h)
+      RequestStop("error", RamLostMessage());
+      break;
+    }
     {
       std::unique_lock<std::mutex> l(run_mu_);
       if (pause_requested_ || holds_) {
@@ -464,7 +469,11 @@ void Vm::VcpuLoop(uint32_t index) {
         exits_[kExitIntr]++;
         continue;
       }
-      RequestStop("error", std::string("KVM_RUN failed: ") + std::strerror(errno));
+      // EFAULT: the guest touched RAM whose file was cut short or unreadable (KVM's own
+      // access: no SIGBUS), or a host bug. Say which where the memory file shows it.
+      const int err = errno;
+      RequestStop("error", err == EFAULT && MemoryFileCut() ? RamLostMessage()
+                                                           : std::string("KVM_RUN failed: ") + std::strerror(err));
       break;
     }
     switch (run->exit_reason) {
@@ -618,6 +627,19 @@ void Vm::SignalMsi(uint64_t address, uint32_t data) {
   m.address_hi = uint32_t(address >> 32);
   m.data = data;
   ioctl(vm_fd_, KVM_SIGNAL_MSI, &m);
+}
+
+bool Vm::MemoryFileCut() const {
+  struct stat st;
+  return origin_ && origin_->memory_fd && fstat(origin_->memory_fd->get(), &st) == 0 &&
+         uint64_t(st.st_size) < origin_->memory_bytes;
+}
+
+std::string Vm::RamLostMessage() const {
+  std::string from = origin_ ? "the memory file of " + origin_->what + " (" + origin_->memory_path + ")" : "its memory file";
+  if (MemoryFileCut()) from += ", now shorter than the guest's RAM,";
+  return "guest RAM lost: " + from + " or a diff layer over it was cut short or could not be read while this VM "
+         "mapped it (a template's files must not change while its children run); the VM is stopped";
 }
 
 void Vm::RequestStop(const std::string& reason, const std::string& message) {

@@ -156,6 +156,8 @@ class Vm {
   void SetPattern(std::shared_ptr<const snapshot::DiffLayer> layer);
   // Stops the VM for a host-side failure ("error"), as a device model does.
   void Fail(const std::string& message) { RequestStop("error", message); }
+  // What to say once ram().memory().lost(): a file its RAM maps was cut short.
+  std::string RamLostMessage() const;
   snapshot::PatternBacking* pattern() const { return pattern_.get(); }
 
  private:
@@ -186,6 +188,8 @@ class Vm {
   void HandleIo(kvm_run* run);
   void HandleMmio(kvm_run* run);
   void RequestStop(const std::string& reason, const std::string& message);
+  // Whether the template's memory file is shorter now than this VM's RAM.
+  bool MemoryFileCut() const;
   void KickAll();
   // Kicks every vCPU out of KVM_RUN and waits until each waits or has exited.
   void WaitStopped();

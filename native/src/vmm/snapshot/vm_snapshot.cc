@@ -306,6 +306,7 @@ TemplateWritten WriteTemplate(Vm& vm, const std::string& dir) {
   auto t1 = std::chrono::steady_clock::now();
   const GuestRam& ram = vm.ram();
   r.memory = WriteMemoryFile(ram.host(), ram.size(), ram.shared() ? ram.fd() : -1, dir + "/memory.bin");
+  if (ram.memory().lost()) throw std::runtime_error("cannot write the template: " + vm.RamLostMessage());
   auto t2 = std::chrono::steady_clock::now();
   sections.push_back(Pod(kTagMemory, 0, r.memory));
   std::vector<uint8_t> bytes = EncodeStateFile(sections);
@@ -403,6 +404,7 @@ BranchResult Branch(Vm& vm, const std::string& dir) {
     r.pause_ns = ns(t0, Clock::now());
     vm.SetDirtyLogging(false);
     logging = false;
+    if (ram.memory().lost()) throw std::runtime_error("cannot branch: " + vm.RamLostMessage());  // (the diff holds zeros)
     diff.Finish(false);
     r.diff_pages = diff.pages();
     r.private_pages = CountPages(ram.host(), ram.size()).private_pages;
