@@ -26,7 +26,8 @@ export function isErrnoError(e: unknown, code?: string): e is NativeErrnoError {
  * A memory mapping. `buffer` views the memory when it was mapped PROT_READ|PROT_WRITE
  * (else null); `unmap()` detaches the buffer before munmap, so no JS view outlives
  * the memory. A Mapping that is garbage-collected (with its buffer) is unmapped.
- * Note: SIGBUS still hits reads past the end of a truncated file mapping.
+ * Note: SIGBUS still hits reads past the end of a truncated file mapping (only
+ * guest RAM made by the VMM is guarded: native/src/vmm/ram_guard.h).
  */
 export interface Mapping {
   readonly buffer: ArrayBuffer | null;

@@ -3,7 +3,7 @@
 // in every child, 10 children in parallel, fresh entropy and clock in each,
 // children independent, memory freed on kill, corrupt templates refused.
 import { execFileSync } from 'node:child_process';
-import { copyFileSync, cpSync, readFileSync, rmSync, writeFileSync } from 'node:fs';
+import { copyFileSync, cpSync, mkdirSync, readFileSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
@@ -209,6 +209,39 @@ labTest("pattern: idle children map what they hold alike from their template's p
     console.log(`    pattern: ${(e.patternOf(NAME)?.layer?.pageCount ?? 0) * 4} KiB; an idle child maps ${s.counters.patternKiB} KiB from it, holds ${s.counters.guestPrivateKiB} KiB of guest memory alone`);
   } finally {
     await e.close();
+  }
+});
+
+labTest('a memory file cut short under a live child stops that child only, with why; the template is refused then', async () => {
+  // (the host's own reads of such RAM took SIGBUS and ended the host process: native/src/vmm/ram_guard.h)
+  const cut = `${NAME}-cut`;
+  const dir = templateDir(cut);
+  mkdirSync(dir, { recursive: true });
+  for (const f of [STATE_FILE, 'template.json']) copyFileSync(join(templateDir(NAME), f), join(dir, f));
+  execFileSync('cp', ['--sparse=always', join(templateDir(NAME), MEMORY_FILE), join(dir, MEMORY_FILE)]);
+  const infoPath = join(dir, 'template.json');
+  writeFileSync(infoPath, readFileSync(infoPath, 'utf8').replace(`"name": "${NAME}"`, `"name": "${cut}"`));
+  const [victim] = await engine.fork(cut, 1);
+  const [bystander] = await fork(1);
+  try {
+    assert.is((await victim!.agent.eval('WARM')).value, 'warm-42');
+    truncateSync(join(dir, MEMORY_FILE), 4096);
+    // Its next eval (its vsock rings, its kernel's pages) meets the missing pages.
+    const answer = victim!.agent.eval('WARM').then(
+      (r) => `answered ${JSON.stringify(r.value)}`,
+      (e: Error) => e.message,
+    );
+    const info = await victim!.exited;
+    assert.is(info.reason, 'internal-error', JSON.stringify(info));
+    assert.match(info.message ?? '', new RegExp(`^error: guest RAM lost: the memory file of template ${cut} \\(.*\\), now shorter than the guest's RAM, .* the VM is stopped`));
+    assert.match(await answer, /stopped/);
+    console.log(`    the child stopped: ${info.message}`);
+    // The host process and the other template's child go on.
+    assert.is((await bystander!.agent.eval('WARM + "!"')).value, 'warm-42!');
+    await rejects(() => engine.fork(cut, 1), new RegExp(`template ${cut} is (corrupt|refused)`));
+  } finally {
+    await Promise.all([victim!.kill(), bystander!.kill()]);
+    rmSync(dir, { recursive: true, force: true });
   }
 });
 
