@@ -696,6 +696,17 @@ static long map_pattern(const struct fr_state *st, struct fr_region *g) {
 
 /* ----------------------------------------------------------- reclaim */
 
+/* Drops the pages of g (each equal to its file's bytes) in one call, and
+ * empties g; returns the pages dropped. One call per run, not per page:
+ * each call flushes the TLB, which costs most where the host is itself a
+ * VM without nested paging (a hypercall per flush). */
+static long drop_run(struct fr_region *g) {
+  long n = (long)((g->end - g->start) / PAGE);
+  if (n && S3(NR_madvise, g->start, g->end - g->start, 4 /* MADV_DONTNEED */) != 0) n = 0;
+  g->start = g->end = g->off = 0;
+  return n;
+}
+
 /* With the others parked: drops each page of this process alone (present,
  * anonymous, exclusive, not all zeros) in its private mappings of the files
  * (found again in /proc/self/smaps: memory unmapped and mapped anew since a
@@ -722,6 +733,7 @@ static long reclaim_parked(const struct fr_state *st) {
   for (const char *q = smaps; r > 0 && next_mapping(st, &q, &m, 0, 0);) nmaps++;
   long left = st->np > 0 ? runs_allowed(nmaps) : 0; /* pattern mmaps this call may make */
   struct fr_region pend = {0, 0, 0};                /* pages to map the pattern over, not yet mapped */
+  struct fr_region drop = {0, 0, 0};                /* pages equal to their file's, not yet dropped */
   if (r > 0) r = 0;
   int pm = r == 0 ? (int)S2(NR_open, "/proc/thread-self/pagemap", 0) : -1;
   if (r == 0 && pm < 0) r = pm;
@@ -739,7 +751,9 @@ static long reclaim_parked(const struct fr_state *st) {
         if (is_zero(p)) continue; /* (dropped, it would read the file's hole: a page added to the file) */
         if (S4(NR_pread, st->f[k].fd, page, PAGE, m.off + ((u64)p - a)) != (long)PAGE) continue;
         if (same_page(p, (const char *)page)) {
-          if (S3(NR_madvise, p, PAGE, 4 /* MADV_DONTNEED */) == 0) back++;
+          if (drop.end != (u64)p) back += drop_run(&drop);
+          if (!drop.end) drop.start = (u64)p;
+          drop.end = (u64)p + PAGE;
           continue;
         }
         const struct fr_region *g = left > 0 && m.ok && k != st->pfile ? pattern_run(st, (u64)p) : 0;
@@ -763,6 +777,7 @@ static long reclaim_parked(const struct fr_state *st) {
       back += map_pattern(st, &pend);
       left--;
     }
+    back += drop_run(&drop);
   }
   if (pm >= 0) S1(NR_close, pm);
   S2(NR_munmap, buf, len);
