@@ -72,5 +72,19 @@ test('a SIGBUS outside guest RAM still ends the process (the guard passes it on)
   assert.is(r.signal, 'SIGBUS', `exit ${r.status} ${r.signal}: ${r.stderr.slice(-400)}`);
 });
 
+test('a SIGBUS sent by kill() still ends the process with the guard in place', () => {
+  const script = `
+    import { vmmTesting } from './test/native/virtio-driver.ts';
+    const probe = new (vmmTesting().GuestRamProbe)(${JSON.stringify(pagesFile('sent.bin', 1))}, ${PAGE});
+    console.log('guarded', probe.lost());
+    process.kill(process.pid, 'SIGBUS');
+    setTimeout(() => console.log('still alive'), 2000);
+  `;
+  const r = spawnSync(process.execPath, ['--import', 'tsx', '--input-type=module', '-e', script], { encoding: 'utf8', timeout: 60_000 });
+  assert.match(r.stdout, /guarded false/, r.stderr);
+  assert.not.match(r.stdout, /still alive/);
+  assert.is(r.signal, 'SIGBUS', `exit ${r.status} ${r.signal}: ${r.stderr.slice(-400)}`);
+});
+
 test.after(() => rmSync(dir, { recursive: true, force: true }));
 test.run();

@@ -3,6 +3,7 @@
 #include <signal.h>
 #include <sys/mman.h>
 
+#include <cerrno>
 #include <cstring>
 #include <mutex>
 
@@ -23,37 +24,48 @@ std::atomic<size_t> g_used{0};  // slots at or above this have never been used
 std::mutex g_mu;                // Register / Unregister
 struct sigaction g_previous;
 
-void OnSigbus(int sig, siginfo_t* info, void* context) {
-  const uintptr_t at = reinterpret_cast<uintptr_t>(info->si_addr);
-  const size_t used = g_used.load(std::memory_order_acquire);
-  for (size_t i = 0; i < used; i++) {
-    Slot& s = g_slots[i];
-    const uintptr_t end = s.end.load(std::memory_order_acquire);
-    const uintptr_t begin = s.begin.load(std::memory_order_acquire);
-    if (end == 0 || at < begin || at >= end) continue;
-    // mmap is a plain system call, safe here. The whole range: the VM is lost
-    // whatever it held, and one mapping cannot run out of VMAs fault by fault.
-    void* p = mmap(reinterpret_cast<void*>(begin), end - begin, PROT_READ | PROT_WRITE,
-                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) break;  // cannot absorb it: as if unguarded
-    s.lost.store(1, std::memory_order_release);
-    return;
-  }
-  if (g_previous.sa_flags & SA_SIGINFO) {
-    if (g_previous.sa_sigaction) g_previous.sa_sigaction(sig, info, context);
-    return;
-  }
-  if (g_previous.sa_handler != SIG_DFL && g_previous.sa_handler != SIG_IGN) {
-    g_previous.sa_handler(sig);
-    return;
-  }
-  // The default action (the process ends, as without us): the access faults
-  // again on return and meets it.
+void ResetToDefault() {
   struct sigaction dfl;
   std::memset(&dfl, 0, sizeof dfl);
   dfl.sa_handler = SIG_DFL;
   sigemptyset(&dfl.sa_mask);
   sigaction(SIGBUS, &dfl, nullptr);
+}
+
+void OnSigbus(int sig, siginfo_t* info, void* context) {
+  const int saved_errno = errno;
+  // A fault (si_code > 0) has an address; a SIGBUS sent by kill() or tgkill() does not.
+  const uintptr_t at = info->si_code > 0 ? reinterpret_cast<uintptr_t>(info->si_addr) : 0;
+  const size_t used = at ? g_used.load(std::memory_order_acquire) : 0;
+  for (size_t i = 0; i < used; i++) {
+    Slot& s = g_slots[i];
+    const uintptr_t end = s.end.load(std::memory_order_acquire);
+    const uintptr_t begin = s.begin.load(std::memory_order_acquire);
+    if (end == 0 || at < begin || at >= end) continue;
+    // Marked first: whoever reads zeros from here on can know why.
+    s.lost.store(1, std::memory_order_seq_cst);
+    // mmap is a plain system call, safe here. The whole range: the VM is lost
+    // whatever it held, and one mapping cannot run out of VMAs fault by fault.
+    void* p = mmap(reinterpret_cast<void*>(begin), end - begin, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    errno = saved_errno;
+    if (p != MAP_FAILED) return;
+    break;  // cannot absorb it: as if unguarded
+  }
+  // Not ours: what was there before us. (sa_handler and sa_sigaction share storage.)
+  const struct sigaction prev = g_previous;
+  if (prev.sa_handler == SIG_DFL || prev.sa_handler == SIG_IGN) {
+    // The default action (the process ends, as without us): a fault meets it
+    // again on return; a sent signal is sent again (pending until we return).
+    ResetToDefault();
+    if (info->si_code <= 0) raise(SIGBUS);
+    errno = saved_errno;
+    return;
+  }
+  if (prev.sa_flags & SA_RESETHAND) ResetToDefault();
+  if (prev.sa_flags & SA_SIGINFO) prev.sa_sigaction(sig, info, context);
+  else prev.sa_handler(sig);
+  errno = saved_errno;
 }
 
 void Install() {

@@ -623,9 +623,15 @@ void VirtioVsock::HandlePacket(const VsockHeader& h, const DescriptorChain& chai
         return;
       }
       uint64_t sent = 0;
+      if (mem_.lost()) return;  // (zeros now: never sent as data; the loop fails the device)
       if (c->pending_to_host() == 0) {
         // Nothing queued before it: send straight from guest memory.
         ssize_t n = SendFromChain(c->fd, chain, kHeaderSize, h.len);
+        if (n < 0 && errno == EFAULT) {
+          // The kernel could not read guest RAM (a file it maps was cut short): the VM stops.
+          FailDevice("vsock: guest RAM could not be read (EFAULT)");
+          return;
+        }
         if (n < 0) {
           ResetConn(c);  // EPIPE / ECONNRESET: the client is gone
           return;
@@ -639,6 +645,7 @@ void VirtioVsock::HandlePacket(const VsockHeader& h, const DescriptorChain& chai
         size_t at = c->to_host.size();
         c->to_host.resize(at + (h.len - sent));
         chain.Read(kHeaderSize + sent, c->to_host.data() + at, h.len - sent);
+        if (mem_.lost()) return;  // (what it read may be zeros: not sent; the loop fails the device)
       }
       FlushToHost(c);
       return;

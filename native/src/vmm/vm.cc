@@ -241,7 +241,8 @@ void Vm::SetupDevices() {
     auto pd = std::make_shared<VirtioPciDevice>(
         std::move(dev), ram_.memory(), bar, [this](uint64_t a, uint32_t d) { SignalMsi(a, d); },
         [this, name, reports](const std::string& message) {
-          if (ram_.memory().lost()) RequestStop("error", RamLostMessage());  // (what the device read was zeros)
+          // (what the device read was zeros, or the kernel could not read it for the device)
+          if (ram_.memory().lost() || MemoryFileCut()) RequestStop("error", RamLostMessage());
           uint32_t n = reports->fetch_add(1);
           if (n < kMaxDeviceErrorReports) {
             on_event_(VmEvent{VmEvent::Type::kDeviceError, name, message, {}});
@@ -648,7 +649,9 @@ void Vm::RequestStop(const std::string& reason, const std::string& message) {
   stop_flag_ = true;
   std::string r = reason;
   if (r == "reset" && panicked_) r = "panic";
-  on_event_(VmEvent{VmEvent::Type::kStopped, r, message, {}});
+  // A guest running on RAM that was lost (zeros) stops for that, whatever it did next.
+  const bool lost = ram_.memory().lost();
+  on_event_(VmEvent{VmEvent::Type::kStopped, lost ? "error" : r, lost ? RamLostMessage() : message, {}});
   KickAll();
 }
 

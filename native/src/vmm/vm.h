@@ -158,6 +158,9 @@ class Vm {
   void Fail(const std::string& message) { RequestStop("error", message); }
   // What to say once ram().memory().lost(): a file its RAM maps was cut short.
   std::string RamLostMessage() const;
+  // Whether the template's memory file is shorter now than this VM's RAM
+  // (the kernel's own reads of such RAM fail with EFAULT: no SIGBUS, no lost()).
+  bool MemoryFileCut() const;
   snapshot::PatternBacking* pattern() const { return pattern_.get(); }
 
  private:
@@ -188,8 +191,6 @@ class Vm {
   void HandleIo(kvm_run* run);
   void HandleMmio(kvm_run* run);
   void RequestStop(const std::string& reason, const std::string& message);
-  // Whether the template's memory file is shorter now than this VM's RAM.
-  bool MemoryFileCut() const;
   void KickAll();
   // Kicks every vCPU out of KVM_RUN and waits until each waits or has exited.
   void WaitStopped();

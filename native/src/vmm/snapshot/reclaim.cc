@@ -323,6 +323,7 @@ ReclaimResult Reclaim(Vm& vm, uint64_t from_page, uint64_t max_pages) {
     flush();
     AddPause(r, held.Let());
   }
+  if (ram.memory().lost()) vm.Fail(vm.RamLostMessage());  // (its reads met a file cut short: ram_guard.h)
   r.total_ns = Ns(t0, Clock::now());
   return r;
 }

@@ -404,7 +404,7 @@ BranchResult Branch(Vm& vm, const std::string& dir) {
     r.pause_ns = ns(t0, Clock::now());
     vm.SetDirtyLogging(false);
     logging = false;
-    if (ram.memory().lost()) throw std::runtime_error("cannot branch: " + vm.RamLostMessage());  // (the diff holds zeros)
+    if (ram.memory().lost()) throw std::runtime_error("cannot branch: " + vm.RamLostMessage());  // (the diff holds zeros; stopped below)
     diff.Finish(false);
     r.diff_pages = diff.pages();
     r.private_pages = CountPages(ram.host(), ram.size()).private_pages;
@@ -417,6 +417,8 @@ BranchResult Branch(Vm& vm, const std::string& dir) {
     }
     if (vsock) vsock->Resume();
     close(fd);
+    // (writing the diff reads guest RAM in the kernel: EFAULT, no SIGBUS, where its file was cut short)
+    if (ram.memory().lost() || vm.MemoryFileCut()) vm.Fail(vm.RamLostMessage());
     throw;
   }
   auto spec = std::make_shared<RestoreSpec>(*origin);
