@@ -20,9 +20,9 @@ const KSM = args.includes('--ksm');
 const SPARES = !args.includes('--no-spares');
 const WARMUP = 'import numpy';
 /** How long children are left idle before their memory is read again: an idle fork gives back its
- * copies of the template's bytes once idle 2-2.5 s (four quiet ticks of its service thread), then
- * sleeps; a fork of 100 under load may take a few seconds more: read at 6 s, the state an idle fork stays in. */
-const IDLE_MS = 6000;
+ * copies of the template's bytes once idle 2-5 s (four quiet ticks of its service thread, 0.5-1.25 s each), then
+ * sleeps; a fork of 100 under load may take a few seconds more: read at 8 s, the state an idle fork stays in. */
+const IDLE_MS = 8000;
 const nArg = args.indexOf('--n');
 const NS = nArg >= 0 ? args[nArg + 1]!.split(',').map(Number) : [1, 10, 100];
 if (!NS.every((n) => Number.isInteger(n) && n >= 1 && n <= 1024)) throw new Error('--n takes a comma-separated list of counts from 1 to 1024, e.g. --n 10,100');
@@ -184,6 +184,8 @@ try {
     const priv = await Promise.all(kids.map(async (k) => (await k.stats()).privateKiB));
     await new Promise((r) => setTimeout(r, IDLE_MS)); // (the state measured: idle this long)
     const idle = await Promise.all(kids.map(async (k) => (await k.stats()).privateKiB));
+    // What giving those pages back cost (an idle fork's reclaim; its other idle work is well under 1 ms).
+    const idleCpu = kids.reduce((a, k) => a + cpuMs((k as unknown as { hostPid: number }).hostPid), 0) - childCpu;
     const maps = median(kids.map((k) => { try { return readFileSync(`/proc/${(k as unknown as { hostPid: number }).hostPid}/maps`, 'utf8').split('\n').length - 1; } catch { return Number.NaN; } }));
     const kidPids = kids.map((k) => (k as unknown as { hostPid: number }).hostPid);
     const uniq = kidPids.slice(0, 5).map((p, i) => uniqueKiB(p, [...zpids, kidPids[(i + 1) % kidPids.length]!].filter((x) => x !== p)));
@@ -191,7 +193,7 @@ try {
     const u = uniq.every((x) => x !== null) ? median(uniq as number[]) : null;
     // (each mapping costs the kernel ~0.2-0.3 KiB: a vm_area_struct of 192 bytes, and anon_vma_chain entries of 64)
     const kernel = `mappings per child, idle, median: ${maps} (kernel memory, ~0.25 KiB each)`;
-    rows.push({ n, forkMs, split: `${split}\n      | ${cpu}\n      | page faults per child until its first answer, median: ${childFaults}\n      | ${kernel}`, forkPrivKiB: median(priv), forkPrivMaxKiB: Math.max(...priv),
+    rows.push({ n, forkMs, split: `${split}\n      | ${cpu}\n      | CPU per child while idle ${IDLE_MS / 1000} s after the first answers (giving its copied pages back; forks that did so before the last answered count above): ${(idleCpu / n).toFixed(2)} ms\n      | page faults per child until its first answer, median: ${childFaults}\n      | ${kernel}`, forkPrivKiB: median(priv), forkPrivMaxKiB: Math.max(...priv),
       idlePrivKiB: median(idle), idlePrivMaxKiB: Math.max(...idle), uniqueKiB: u });
   }
   // The same with 100 spare forks kept ready per template (set up and listening in advance;
