@@ -542,8 +542,8 @@ test('an idle fork sleeps once it has given back its copies (no tick writes them
     assert.ok(await comesToSleep(pid, 15000), 'and it sleeps again');
     // an orphan (a child of PID 1 once its shell exits) that outlives a quiet spell: it sleeps
     // meanwhile, and the orphan's exit wakes it to reap it (no request comes in between)
-    const orphan = await val(c!.agent, 'import subprocess\nint(subprocess.run(["sh", "-c", "sleep 8 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True).stdout)');
-    assert.ok(await comesToSleep(pid, 6000), 'asleep while its child runs');
+    const orphan = await val(c!.agent, 'import subprocess\nint(subprocess.run(["sh", "-c", "sleep 11 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True).stdout)');
+    assert.ok(await comesToSleep(pid, 9000), 'asleep while its child runs'); // (idle 2-5 s, then its reclaim)
     assert.ok(childrenOf(pid).length > 0, 'the orphan still runs');
     assert.ok(await pollUntil(() => childrenOf(pid).length === 0, 15000, 200), 'the orphan reaped once it exited');
     assert.ok(await comesToSleep(pid, 15000), 'and it sleeps again');
