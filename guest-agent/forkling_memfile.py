@@ -35,15 +35,14 @@ STATE = {
     'done_at': -1,    # ... and at the last reclaim
     'timeouts': 0,    # reclaims in a row that gave up: a thread did not park
     'quiet': 0,       # quiet ticks in a row, idle
-    'tick_ms': 500,   # the length of this fork's ticks (after_fork: TICK_MS plus its own jitter)
+    'tick_jitter_ms': 0,  # how much longer this fork's ticks are (after_fork: TICK_JITTER_MS)
     'pattern': False,  # the template's pattern child (forkling_zygote._make_pattern): publishes, once
     'published': None,  # ... what it made there: {'fd', 'runs'} (_published)
 }
 MAX_TIMEOUTS = 3
-# Quiet ticks (0.5-1.25 s each: TICK_MS) before a reclaim: 2-5 s idle. Not sooner: a reclaim costs the CPU of a
+# Quiet ticks (0.5-1.25 s each: forkling_zygote.REAP_INTERVAL_MS plus jitter) before a reclaim: 2-5 s idle. Not sooner: a reclaim costs the CPU of a
 # fraction of a fork, and the first children of a large fork would reclaim while the rest are made.
 QUIET_TICKS = 4
-TICK_MS = 500
 # A fork's ticks are longer by up to this much, drawn per fork: forks made together go idle
 # together, and reclaims at the same moment cost each about twice the CPU of one alone (10 forks
 # of the numpy template on 2 cores, paired runs: 36-49 ms each at once, 22-29 ms spread; the same
@@ -163,7 +162,7 @@ def after_fork():
     or flags through it (a channel between sandboxes)."""
     if enabled():  # (the files as its parent had them at the fork: a pattern the fork server took in C too)
         STATE['fds'] = _file_fds()
-    STATE['tick_ms'] = TICK_MS + int.from_bytes(os.urandom(2), 'little') % (TICK_JITTER_MS + 1)
+    STATE['tick_jitter_ms'] = int.from_bytes(os.urandom(2), 'little') % (TICK_JITTER_MS + 1)
     for fd in STATE['fds']:
         mine = os.open('/proc/self/fd/%d' % fd, os.O_RDONLY | os.O_CLOEXEC)
         os.dup2(mine, fd, inheritable=False)

@@ -1334,7 +1334,7 @@ def _service(agent, lsock):
     unclaimed_until = time.monotonic() + UNCLAIMED_S
     # (the pattern child ticks faster: its ticks, not their length, make its memory a fork's)
     # (a fork's own length: forks made together reclaim apart, forkling_memfile.TICK_JITTER_MS)
-    tick = PATTERN_TICK_MS if forkling_memfile.STATE['pattern'] else forkling_memfile.STATE['tick_ms']
+    tick = PATTERN_TICK_MS if forkling_memfile.STATE['pattern'] else REAP_INTERVAL_MS + forkling_memfile.STATE['tick_jitter_ms']
     timeout = int(UNCLAIMED_S * 1000) + 1
     kids = []  # pidfds of our child processes while asleep: each wakes us when it exits
     while not agent.stopping:

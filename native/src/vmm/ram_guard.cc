@@ -114,6 +114,4 @@ const std::atomic<uint32_t>* LostFlag(int slot) {
   return &g_slots[slot].lost;
 }
 
-size_t Capacity() { return kSlots; }
-
 }  // namespace forkling::vmm::ram_guard

@@ -11,7 +11,6 @@
 // The guest's own accesses never raise SIGBUS: KVM_RUN fails with EFAULT.
 #pragma once
 #include <atomic>
-#include <cstddef>
 #include <cstdint>
 
 namespace forkling::vmm::ram_guard {
@@ -24,7 +23,5 @@ void Unregister(int slot);
 // The slot's flag, set once a fault in its range has been absorbed; stays
 // valid (and reads 0 again) after Unregister. Null for slot -1.
 const std::atomic<uint32_t>* LostFlag(int slot);
-// Slots the table holds (for tests).
-size_t Capacity();
 
 }  // namespace forkling::vmm::ram_guard
