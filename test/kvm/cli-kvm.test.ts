@@ -12,13 +12,19 @@ const env = { ...process.env, FORKLING_ENGINE: 'kvm' };
 const progress = labProgress('cli-kvm.test');
 const FLAKE = /triple-fault|did not answer within/;
 
-/** `forkling <args>`; in the lab a run that hit the lab's early triple fault or stall is run once more, loudly. */
+/**
+ * `forkling <args>`; a run ended by a signal says which in its stderr. In the lab a run that hit
+ * the lab's early triple fault or stall, or was killed (SIGKILL: the lab's OOM killer, say; one
+ * CI run saw `template create` end with no status and no output), is run once more, loudly.
+ */
 function cli(...args: string[]) {
   for (let attempt = 1; ; attempt++) {
     progress(`forkling ${args.join(' ')}`);
     const r = spawnSync(process.execPath, ['bin/forkling.mjs', ...args], { encoding: 'utf8', env, timeout: 400_000 });
-    if (r.status === 0 || attempt === 2 || !process.env.FORKLING_IN_LAB || !FLAKE.test(r.stderr)) return r;
-    console.log(`LAB FLAKE (forkling ${args[0]} ${args[1]}): ${r.stderr.split('\n')[0]}; tried again`);
+    if (r.signal) r.stderr += `(forkling was ended by ${r.signal})\n`;
+    const flake = FLAKE.test(r.stderr) || r.signal === 'SIGKILL';
+    if (r.status === 0 || attempt === 2 || !process.env.FORKLING_IN_LAB || !flake) return r;
+    console.log(`LAB FLAKE (forkling ${args[0]} ${args[1]}): ${r.stderr.trim().split('\n').pop()}; tried again`);
   }
 }
 
