@@ -10,7 +10,7 @@ import { labProgress } from './lab-flake.ts';
 const NAME = `cli-kvm-${process.pid}`;
 const env = { ...process.env, FORKLING_ENGINE: 'kvm' };
 const progress = labProgress('cli-kvm.test');
-const FLAKE = /triple-fault|did not answer within/;
+const FLAKE = /triple-fault|did not answer within|vsock port \d+: no answer within/;
 
 /**
  * `forkling <args>`; a run ended by a signal says which in its stderr. In the lab a run that hit
