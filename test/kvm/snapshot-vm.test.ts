@@ -76,7 +76,11 @@ class Tiny {
     throw new Error(`the VM tiny stopped (${stopped.reason}: ${stopped.message}) after ${this.counters.length} counter lines`);
   }
 
-  /** Resolves once `n` more counter lines than now have been printed. */
+  /**
+   * Resolves once `n` more counter lines than now have been printed by a VM
+   * that is still running (lines it printed just before a stop come in the
+   * same batch as the stop: they say nothing of a call made in between).
+   */
   async more(n: number): Promise<bigint> {
     const want = this.counters.length + n;
     const deadline = performance.now() + TIMEOUT_MS;
@@ -88,6 +92,7 @@ class Tiny {
         setTimeout(r, 1000).unref();
       });
     }
+    this.assertRunning();
     return this.counters[this.counters.length - 1]!;
   }
 }
