@@ -11,14 +11,16 @@ import { removeDirAtomic, storePath } from '../store.ts';
 import { parseSubcommand } from './args.ts';
 
 const USAGE = `usage:
-  forkling template create <name> [--image <image>] [--warmup <python code>] [--memory <MiB>] [--vcpus <n>] [--engine kvm|process|auto] [--json]
+  forkling template create <name> [--image <image>] [--warmup <python code>] [--warmup-timeout <seconds>] [--memory <MiB>] [--vcpus <n>] [--engine kvm|process|auto] [--json]
   forkling template ls [--json]
   forkling template rm <name>`;
 
 const HELP = `${USAGE}
 
 create  boots the image (default: default), waits for the agent, runs the warm-up code in its
-        default context and freezes the result as a template that fork starts children from
+        default context and freezes the result as a template that fork starts children from;
+        a warm-up still running after --warmup-timeout seconds (default 600) is interrupted
+        and nothing is saved (a process template runs it again, with that limit, at each start)
 ls      lists the templates of every engine in the store
 rm      removes a template (of every engine that has one of that name)
 The template "default" (image default, no warm-up) is created on first use by fork.`;
@@ -26,6 +28,7 @@ The template "default" (image default, no warm-up) is created on first use by fo
 const OPTIONS = {
   image: { type: 'string' },
   warmup: { type: 'string' },
+  'warmup-timeout': { type: 'string' },
   memory: { type: 'string' },
   vcpus: { type: 'string' },
   engine: { type: 'string' },
@@ -79,7 +82,7 @@ export async function templateCommand(argv: string[]): Promise<number> {
   }
   switch (sub) {
     case 'create': {
-      const { values, positionals } = parse(sub, rest, ['image', 'warmup', 'memory', 'vcpus', 'engine', 'json']);
+      const { values, positionals } = parse(sub, rest, ['image', 'warmup', 'warmup-timeout', 'memory', 'vcpus', 'engine', 'json']);
       if (values.help) {
         console.log(HELP);
         return 0;
@@ -89,6 +92,8 @@ export async function templateCommand(argv: string[]): Promise<number> {
       const image = checkName('image', values.image ?? 'default');
       const memoryMiB = intOption('memory', values.memory, 64, 65536);
       const vcpus = intOption('vcpus', values.vcpus, 1, 64);
+      const warmupTimeoutS = intOption('warmup-timeout', values['warmup-timeout'], 1, 86_400);
+      if (warmupTimeoutS !== undefined && values.warmup === undefined) throw new UserError('--warmup-timeout limits a warm-up: give one with --warmup', USAGE);
       const engine = await openEngine(values.engine);
       try {
         const t0 = performance.now();
@@ -96,6 +101,7 @@ export async function templateCommand(argv: string[]): Promise<number> {
           name,
           image,
           ...(values.warmup !== undefined ? { warmup: values.warmup } : {}),
+          ...(warmupTimeoutS !== undefined ? { warmupTimeoutMs: warmupTimeoutS * 1000 } : {}),
           ...(memoryMiB !== undefined ? { memoryMiB } : {}),
           ...(vcpus !== undefined ? { vcpus } : {}),
         });

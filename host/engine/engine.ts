@@ -19,6 +19,8 @@ export interface TemplateOptions {
   name: string;
   image: string;
   warmup?: string;
+  /** Limit of the warm-up (default DEFAULT_WARMUP_TIMEOUT_MS, warmup.ts). */
+  warmupTimeoutMs?: number;
   memoryMiB?: number;
   vcpus?: number;
 }
@@ -31,6 +33,8 @@ export interface TemplateInfo {
   memoryMiB: number;
   vcpus: number;
   warmup?: string;
+  /** Set when the template was made with a limit other than the default (a process template runs its warm-up at each start). */
+  warmupTimeoutMs?: number;
 }
 
 export interface SandboxStats {

@@ -1,9 +1,10 @@
 // Fork on the KVM engine with a Linux image and its agent (needs /dev/kvm on
 // which the distribution kernel boots, and the default image): warm-up state
 // in every child, 10 children in parallel, fresh entropy and clock in each,
-// children independent, memory freed on kill, corrupt templates refused.
+// children independent, memory freed on kill, corrupt templates refused, a
+// warm-up past its limit refused.
 import { execFileSync } from 'node:child_process';
-import { copyFileSync, cpSync, mkdirSync, readFileSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
+import { copyFileSync, cpSync, existsSync, mkdirSync, readFileSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
@@ -243,6 +244,19 @@ labTest('a memory file cut short under a live child stops that child only, with 
     await Promise.all([victim!.kill(), bystander!.kill()]);
     rmSync(dir, { recursive: true, force: true });
   }
+});
+
+test('a warm-up past its limit is interrupted and refused with why; no template is saved', async () => {
+  const late = `${NAME}-late`;
+  let msg = '';
+  try {
+    // (a boot that flakes in the lab is tried again; the refusal is no flake and ends it)
+    await labRetry('late warm-up', () => engine.createTemplate({ name: late, image: 'default', memoryMiB: 384, warmup: 'while True: pass', warmupTimeoutMs: 2000 }));
+  } catch (e) {
+    msg = (e as Error).message;
+  }
+  assert.match(msg, new RegExp(`the warm-up of template ${late} did not finish within 2 s`), msg || 'the template was made');
+  assert.not.ok(existsSync(templateDir(late)), 'nothing saved');
 });
 
 test('a corrupted state file or memory file is refused', async () => {

@@ -10,6 +10,7 @@ import { type AgentClient, answeredWithin } from '../../agent/client.ts';
 import { checkName, UserError } from '../../errors.ts';
 import { buildDirAtomic, storePath } from '../../store.ts';
 import type { TemplateInfo, TemplateOptions } from '../engine.ts';
+import { runWarmup } from '../warmup.ts';
 import type { NativeSnapshot } from './native-vm.ts';
 import { snapshotNative } from './snapshot-native.ts';
 import { AGENT_PORT, type KvmSandbox } from './vm.ts';
@@ -95,7 +96,13 @@ async function connectRetrying(sb: KvmSandbox, timeoutMs: number): Promise<Agent
 }
 
 const REHEARSALS = 16;
-/** How long the template's agent has for each rehearsal, and for the freeze (a guest that stops answering fails the template). */
+/**
+ * How long the template's agent has for each rehearsal's connection and
+ * requests, and for the freeze (a guest that stops answering fails the
+ * template). One limit for both: a connection had 10 s, which a slow or
+ * loaded host ran out of (the lab's CI: 'vsock port 1024: no answer within
+ * 4955 ms') while the requests after it had 60.
+ */
 const REHEARSAL_LIMIT_MS = 60_000;
 const REHEARSAL_CONTEXT = 'forkling-rehearsal';
 
@@ -110,7 +117,7 @@ const REHEARSAL_CONTEXT = 'forkling-rehearsal';
  */
 async function rehearse(sb: KvmSandbox): Promise<void> {
   for (let i = 0; i < REHEARSALS; i++) {
-    const c = await connectRetrying(sb, 10_000);
+    const c = await connectRetrying(sb, REHEARSAL_LIMIT_MS);
     try {
       // (our agent answers these at once; a guest that does not must not hold the template up for ever)
       await answeredWithin(c, REHEARSAL_LIMIT_MS, "the template's agent (rehearsal)", async (x) => {
@@ -147,15 +154,7 @@ export async function createKvmTemplate(
   checkName('image', opts.image);
   const sb = await boot({ image: opts.image, memoryMiB: opts.memoryMiB, vcpus: opts.vcpus });
   try {
-    if (opts.warmup) {
-      const r = await sb.agent.eval(opts.warmup);
-      if (r.exception) {
-        throw new UserError(
-          `the warm-up of template ${opts.name} failed: ${r.exception.type}: ${r.exception.message}`,
-          r.exception.traceback ? r.exception.traceback.trim().split('\n').slice(-6).join('\n') : undefined,
-        );
-      }
-    }
+    if (opts.warmup) await runWarmup(sb.agent, opts.name, opts.warmup, opts.warmupTimeoutMs);
     await rehearse(sb);
     // Quiesce: the warm-up is done; no connection may be copied into children.
     sb.agent.close();
@@ -170,6 +169,7 @@ export async function createKvmTemplate(
       memoryMiB: opts.memoryMiB,
       vcpus: opts.vcpus,
       ...(opts.warmup !== undefined ? { warmup: opts.warmup } : {}),
+      ...(opts.warmupTimeoutMs !== undefined ? { warmupTimeoutMs: opts.warmupTimeoutMs } : {}),
     };
     await buildDirAtomic(templateDir(opts.name), async (staging) => {
       const w = vm.saveTemplate(staging);

@@ -17,6 +17,7 @@ import { storePath, writeFileAtomic } from '../../store.ts';
 import { envFlag, envWhole } from '../../util/env.ts';
 import { processRunning } from '../../util/process.ts';
 import type { BootOptions, Engine, ExitInfo, Sandbox, SandboxStats, TemplateInfo, TemplateOptions } from '../engine.ts';
+import { runWarmup } from '../warmup.ts';
 import { AGENT_SOCKET, connectAgent } from './agent-socket.ts';
 import { ProcessRef } from './process-ref.ts';
 import { type Cgroup, type CgroupLimits, CgroupTree } from './cgroups.ts';
@@ -722,6 +723,7 @@ export class ProcessEngine implements Engine {
       memoryMiB: opts.memoryMiB ?? DEFAULT_MEMORY_MIB,
       vcpus: opts.vcpus ?? 1,
       ...(opts.warmup !== undefined ? { warmup: opts.warmup } : {}),
+      ...(opts.warmupTimeoutMs !== undefined ? { warmupTimeoutMs: opts.warmupTimeoutMs } : {}),
     };
     const z = await this.startZygote(info);
     const old = this.zygotes.get(info.name);
@@ -757,14 +759,13 @@ export class ProcessEngine implements Engine {
       })
       .catch((e: Error) => this.warn(`forkling: removing the zygote of ${info.name} failed: ${e.message}`));
     if (info.warmup) {
-      const r = await client.eval(info.warmup).catch((e: Error) => ({ exception: { type: 'Error', message: e.message, traceback: '' } }));
-      if ('exception' in r && r.exception) {
+      try {
+        await runWarmup(client, info.name, info.warmup, info.warmupTimeoutMs);
+      } catch (e) {
         client.close();
         await this.destroyRoot(z);
-        throw new UserError(
-          `the warm-up of template ${info.name} failed: ${r.exception.type}: ${r.exception.message}`,
-          r.exception.traceback ? r.exception.traceback.trim().split('\n').slice(-6).join('\n') : undefined,
-        );
+        if (e instanceof UserError) throw e;
+        throw new UserError(`the warm-up of template ${info.name} failed: ${(e as Error).message}`);
       }
     }
     // (at most the template's limit, which charges the zygote's tmpfs pages: a walk through
