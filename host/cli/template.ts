@@ -6,6 +6,7 @@
 import { existsSync, readdirSync, readFileSync, rmSync } from 'node:fs';
 import type { TemplateInfo } from '../engine/engine.ts';
 import { openEngine } from '../engine/select.ts';
+import { MAX_WARMUP_TIMEOUT_MS } from '../engine/warmup.ts';
 import { checkName, UserError } from '../errors.ts';
 import { removeDirAtomic, storePath } from '../store.ts';
 import { parseSubcommand } from './args.ts';
@@ -92,8 +93,8 @@ export async function templateCommand(argv: string[]): Promise<number> {
       const image = checkName('image', values.image ?? 'default');
       const memoryMiB = intOption('memory', values.memory, 64, 65536);
       const vcpus = intOption('vcpus', values.vcpus, 1, 64);
-      const warmupTimeoutS = intOption('warmup-timeout', values['warmup-timeout'], 1, 86_400);
-      if (warmupTimeoutS !== undefined && values.warmup === undefined) throw new UserError('--warmup-timeout limits a warm-up: give one with --warmup', USAGE);
+      const warmupTimeoutS = intOption('warmup-timeout', values['warmup-timeout'], 1, MAX_WARMUP_TIMEOUT_MS / 1000);
+      if (warmupTimeoutS !== undefined && !values.warmup) throw new UserError('--warmup-timeout limits a warm-up: give one with --warmup', USAGE);
       const engine = await openEngine(values.engine);
       try {
         const t0 = performance.now();

@@ -33,7 +33,7 @@ export interface TemplateInfo {
   memoryMiB: number;
   vcpus: number;
   warmup?: string;
-  /** Set when the template was made with a limit other than the default (a process template runs its warm-up at each start). */
+  /** The warm-up's limit when one was given (else the default); a process template runs its warm-up, under it, at each start of its zygote. */
   warmupTimeoutMs?: number;
 }
 

@@ -3,9 +3,11 @@
 // leaves nothing in the store.
 import { spawnSync } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
+import { readFileSync, writeFileSync } from 'node:fs';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import { ensureImage } from '../../host/images.ts';
+import { storePath } from '../../host/store.ts';
 import { loud } from '../loud-hook.ts';
 
 const env = { ...process.env, FORKLING_ENGINE: 'process' };
@@ -38,8 +40,8 @@ test('template create: a warm-up past its limit is interrupted and refused, sayi
   assert.not.ok(listed(), 'no template saved');
 });
 
-test('template create: a warm-up within its limit; the limit is kept with the template (a zygote runs it again at each start)', () => {
-  const r = cli('template', 'create', NAME, '--warmup', 'import time\ntime.sleep(0.1)\nW = 7', '--warmup-timeout', '30', '--json');
+test('template create: a warm-up within its limit; the limit is kept with the template (a zygote runs it again, under it, at each start)', () => {
+  const r = cli('template', 'create', NAME, '--warmup', 'import time\ntime.sleep(1.5)\nW = 7', '--warmup-timeout', '30', '--json');
   assert.is(r.status, 0, r.stderr);
   assert.is((JSON.parse(r.stdout) as { warmupTimeoutMs?: number }).warmupTimeoutMs, 30_000);
   assert.ok(listed());
@@ -47,6 +49,12 @@ test('template create: a warm-up within its limit; the limit is kept with the te
   const f = cli('fork', NAME, '-n', '1', '--eval', 'W * 6', '--json');
   assert.is(f.status, 0, f.stderr);
   assert.equal((JSON.parse(f.stdout) as { children: { value: unknown }[] }).children.map((c) => c.value), [42]);
+  // the saved limit is the one a start runs under: 1 s is too little for that warm-up
+  const file = storePath('process-templates', `${NAME}.json`);
+  writeFileSync(file, JSON.stringify({ ...JSON.parse(readFileSync(file, 'utf8')), warmupTimeoutMs: 1000 }));
+  const late = cli('fork', NAME, '-n', '1', '--eval', 'W');
+  assert.is(late.status, 2, late.stderr);
+  assert.match(late.stderr, new RegExp(`the warm-up of template ${NAME} did not finish within 1 s \\(interrupted in <cell-\\d+>, line 2: time.sleep\\(1.5\\)\\)`));
 });
 
 test.run();

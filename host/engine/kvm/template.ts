@@ -79,14 +79,21 @@ async function waitNoConnections(sb: KvmSandbox, timeoutMs: number): Promise<voi
   }
 }
 
-/** A new agent connection; the guest may refuse one for a moment (the previous connection's close still in flight). */
+/** How long one connection attempt waits for the guest's answer before the next (the device gives up on it after 5 s too). */
+const CONNECT_ATTEMPT_MS = 5_000;
+
+/**
+ * A new agent connection within `timeoutMs`; the guest may refuse one for a
+ * moment (the previous connection's close still in flight), or, on a slow or
+ * loaded host, not answer one in time: tried again.
+ */
 async function connectRetrying(sb: KvmSandbox, timeoutMs: number): Promise<AgentClient> {
   const deadline = performance.now() + timeoutMs;
   let delay = 1;
   for (;;) {
     sb.throwIfStopped();
     try {
-      return await connectAgent(sb.vsockPath, AGENT_PORT, Math.max(1, deadline - performance.now()));
+      return await connectAgent(sb.vsockPath, AGENT_PORT, Math.max(1, Math.min(CONNECT_ATTEMPT_MS, deadline - performance.now())));
     } catch (e) {
       if (!(e instanceof VsockConnectError) || !e.retryable || performance.now() + delay > deadline) throw e;
     }

@@ -764,8 +764,7 @@ export class ProcessEngine implements Engine {
       } catch (e) {
         client.close();
         await this.destroyRoot(z);
-        if (e instanceof UserError) throw e;
-        throw new UserError(`the warm-up of template ${info.name} failed: ${(e as Error).message}`);
+        throw e;
       }
     }
     // (at most the template's limit, which charges the zygote's tmpfs pages: a walk through
