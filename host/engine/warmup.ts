@@ -23,22 +23,32 @@ function whereInterrupted(traceback: string): string {
   for (let i = lines.length - 1; i >= 0; i--) {
     const m = /^\s*File "([^"]*)", line (\d+)/.exec(lines[i]!);
     if (!m) continue;
-    const src = lines[i + 1]?.trim() ?? '';
-    return `${m[1]}, line ${m[2]}${src && !src.startsWith('File ') ? `: ${src.slice(0, 120)}` : ''}`;
+    // (its source line, indented below it, is missing where Python has no source: the next is then the exception's)
+    const src = /^ {4}\S/.test(lines[i + 1] ?? '') ? lines[i + 1]!.trim() : '';
+    return `${m[1]}, line ${m[2]}${src ? `: ${src.slice(0, 120)}` : ''}`;
   }
   return '';
 }
 
 /**
- * Runs `code` as template `template`'s warm-up; throws a UserError if it
- * fails, takes longer than `timeoutMs`, or its agent goes away meanwhile (the
- * caller then kills the sandbox).
+ * Template `template`'s warm-up limit in ms: `timeoutMs`, or the default when
+ * absent. Checked before a sandbox is started for it (a limit read back from
+ * a template's file that someone edited is refused, not booted).
  */
-export async function runWarmup(agent: AgentClient, template: string, code: string, timeoutMs = DEFAULT_WARMUP_TIMEOUT_MS): Promise<void> {
+export function warmupLimit(template: string, timeoutMs: number | undefined): number {
+  if (timeoutMs === undefined) return DEFAULT_WARMUP_TIMEOUT_MS;
   if (!Number.isSafeInteger(timeoutMs) || timeoutMs < 1 || timeoutMs > MAX_WARMUP_TIMEOUT_MS) {
-    // (a limit read back from a template's file that someone edited)
     throw new UserError(`template ${template}'s warm-up time limit ${JSON.stringify(timeoutMs)} is not a whole number of ms from 1 to ${MAX_WARMUP_TIMEOUT_MS}`, `create it again: forkling template create ${template} ...`);
   }
+  return timeoutMs;
+}
+
+/**
+ * Runs `code` as template `template`'s warm-up; throws a UserError if it
+ * fails, takes longer than `timeoutMs` (from warmupLimit), or its agent goes
+ * away meanwhile (the caller then kills the sandbox).
+ */
+export async function runWarmup(agent: AgentClient, template: string, code: string, timeoutMs: number): Promise<void> {
   const what = `the warm-up of template ${template}`;
   const moreTime = `make it finish sooner, or give it more time: forkling template create ${template} ... --warmup-timeout <seconds> (now ${timeoutMs / 1000})`;
   let r: Awaited<ReturnType<AgentClient['eval']>>;

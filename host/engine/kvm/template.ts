@@ -10,7 +10,7 @@ import { type AgentClient, answeredWithin } from '../../agent/client.ts';
 import { checkName, UserError } from '../../errors.ts';
 import { buildDirAtomic, storePath } from '../../store.ts';
 import type { TemplateInfo, TemplateOptions } from '../engine.ts';
-import { runWarmup } from '../warmup.ts';
+import { runWarmup, warmupLimit } from '../warmup.ts';
 import type { NativeSnapshot } from './native-vm.ts';
 import { snapshotNative } from './snapshot-native.ts';
 import { AGENT_PORT, type KvmSandbox } from './vm.ts';
@@ -159,9 +159,10 @@ export async function createKvmTemplate(
 ): Promise<TemplateInfo> {
   checkName('template', opts.name);
   checkName('image', opts.image);
+  const warmupMs = warmupLimit(opts.name, opts.warmupTimeoutMs);
   const sb = await boot({ image: opts.image, memoryMiB: opts.memoryMiB, vcpus: opts.vcpus });
   try {
-    if (opts.warmup) await runWarmup(sb.agent, opts.name, opts.warmup, opts.warmupTimeoutMs);
+    if (opts.warmup) await runWarmup(sb.agent, opts.name, opts.warmup, warmupMs);
     await rehearse(sb);
     // Quiesce: the warm-up is done; no connection may be copied into children.
     sb.agent.close();

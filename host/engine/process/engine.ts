@@ -17,7 +17,7 @@ import { storePath, writeFileAtomic } from '../../store.ts';
 import { envFlag, envWhole } from '../../util/env.ts';
 import { processRunning } from '../../util/process.ts';
 import type { BootOptions, Engine, ExitInfo, Sandbox, SandboxStats, TemplateInfo, TemplateOptions } from '../engine.ts';
-import { runWarmup } from '../warmup.ts';
+import { runWarmup, warmupLimit } from '../warmup.ts';
 import { AGENT_SOCKET, connectAgent } from './agent-socket.ts';
 import { ProcessRef } from './process-ref.ts';
 import { type Cgroup, type CgroupLimits, CgroupTree } from './cgroups.ts';
@@ -739,6 +739,7 @@ export class ProcessEngine implements Engine {
   }
 
   private async startZygote(info: TemplateInfo): Promise<Zygote> {
+    const warmupMs = warmupLimit(info.name, info.warmupTimeoutMs);
     const rootfs = await this.rootfsOf(info.image);
     const limits = this.limitsFor(info.memoryMiB, info.vcpus);
     const root = await this.launch({ rootfs, role: 'zygote', hostname: 'zygote', limits, cgName: `z-${newId()}` });
@@ -760,7 +761,7 @@ export class ProcessEngine implements Engine {
       .catch((e: Error) => this.warn(`forkling: removing the zygote of ${info.name} failed: ${e.message}`));
     if (info.warmup) {
       try {
-        await runWarmup(client, info.name, info.warmup, info.warmupTimeoutMs);
+        await runWarmup(client, info.name, info.warmup, warmupMs);
       } catch (e) {
         client.close();
         await this.destroyRoot(z);
