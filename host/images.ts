@@ -70,18 +70,36 @@ function defaultNeedsBuild(): boolean {
  * The image `name`, built first when it is `default` and missing or built
  * with another agent than this checkout's (concurrent callers, in this
  * process or others, share one build). Other names must have been built with
- * `forkling image build`.
+ * `forkling image build`. `progress` gets a line when a build starts, at each
+ * of its steps and when it is done: a first use takes a minute or more, which
+ * without a word looks like a hang.
  */
-export function ensureImage(name = DEFAULT_IMAGE, opts: Pick<BuildOptions, 'onProgress'> = {}): Promise<ImageInfo> {
+export function ensureImage(name = DEFAULT_IMAGE, opts: { progress?: (line: string) => void } = {}): Promise<ImageInfo> {
   if (name !== DEFAULT_IMAGE || !defaultNeedsBuild()) return Promise.resolve().then(() => loadImage(name));
   let p = inFlight.get(name);
   if (!p) {
-    p = buildImage({ name, ifMissing: true, ...opts })
-      .then(() => loadImage(name))
+    const say = opts.progress;
+    const t0 = performance.now();
+    say?.(`forkling: building image ${name} (first use, or guest-agent/ changed since it was built): a minute or more`);
+    p = buildImage({ name, ifMissing: true, ...(say ? { onProgress: buildSteps(name, say) } : {}) })
+      .then(() => {
+        say?.(`forkling: image ${name} ready in ${((performance.now() - t0) / 1000).toFixed(0)} s`);
+        return loadImage(name);
+      })
       .finally(() => inFlight.delete(name));
     inFlight.set(name, p);
   }
   return p;
+}
+
+/** A build's progress as lines: each note, and each step once (unpack reports every package). */
+function buildSteps(name: string, say: (line: string) => void): NonNullable<BuildOptions['onProgress']> {
+  let last = '';
+  return (step, detail) => {
+    if (step !== 'note' && step === last) return;
+    last = step;
+    say(`forkling: image ${name}: ${step === 'note' ? '' : `${step}: `}${detail}`);
+  };
 }
 
 export { buildImage };

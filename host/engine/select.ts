@@ -57,12 +57,13 @@ export async function openEngine(
   } = {},
 ): Promise<Engine> {
   const sel = resolveEngine(parseEngineChoice(option));
-  (opts.log ?? ((l: string) => console.error(l)))(sel.line);
+  const log = opts.log ?? ((l: string) => console.error(l));
+  log(sel.line);
   if (sel.name === 'process') {
     const { ProcessEngine } = await import('./process/engine.ts');
-    return new ProcessEngine(opts.processSpares !== undefined ? { spares: opts.processSpares } : {});
+    return new ProcessEngine({ progress: log, ...(opts.processSpares !== undefined ? { spares: opts.processSpares } : {}) });
   }
   // Loaded only when chosen: a process-engine host never loads the VMM code.
   const { KvmEngine } = await import('./kvm/engine.ts');
-  return new KvmEngine();
+  return new KvmEngine({ progress: log });
 }

@@ -1,10 +1,13 @@
 // `forkling fork` with the process engine: the report's fields (--json) and
 // its table, and a bad option's one clear error.
 import { spawn, spawnSync } from 'node:child_process';
-import { readdirSync, readFileSync } from 'node:fs';
+import { mkdtempSync, readdirSync, readFileSync, rmSync, symlinkSync } from 'node:fs';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import { ensureImage } from '../../host/images.ts';
+import { storePath } from '../../host/store.ts';
 import { loud } from '../loud-hook.ts';
 
 const env = { ...process.env, FORKLING_ENGINE: 'process' };
@@ -35,6 +38,29 @@ test('fork (table): says what loading the template did; a failing eval fails the
   assert.is(r.status, 1);
   assert.match(r.stdout, /template loaded in [\d.]+ ms \(once per process, before the fork: its zygote started, warm-up run\)/);
   assert.match(r.stdout, /ZeroDivisionError/);
+});
+
+test('fork, first use: says that it creates the template default (a silent wait looks like a hang)', () => {
+  // A store of its own with the images of ours (built above): no template default there yet.
+  const home = mkdtempSync(join(tmpdir(), 'forkling-first-use-'));
+  try {
+    symlinkSync(storePath('images'), join(home, 'images'));
+    const r = spawnSync(process.execPath, ['bin/forkling.mjs', 'fork', '-n', '1', '--eval', '6 * 7', '--json'], {
+      encoding: 'utf8',
+      env: { ...env, FORKLING_HOME: home },
+      timeout: 120_000,
+    });
+    assert.is(r.status, 0, r.stderr);
+    assert.match(r.stderr, /^forkling: creating template default \(first use: image default, no warm-up\)$/m);
+    assert.not.match(r.stderr, /building image/, 'the image was there: nothing to build');
+    assert.is(JSON.parse(r.stdout).children[0].value, 42);
+    // Made once: the next use says nothing of it.
+    const again = spawnSync(process.execPath, ['bin/forkling.mjs', 'fork', '-n', '1', '--eval', '1'], { encoding: 'utf8', env: { ...env, FORKLING_HOME: home }, timeout: 120_000 });
+    assert.is(again.status, 0, again.stderr);
+    assert.not.match(again.stderr, /creating template/);
+  } finally {
+    rmSync(home, { recursive: true, force: true });
+  }
 });
 
 test('fork: -n out of range is one clear error', () => {

@@ -254,10 +254,12 @@ test('CLI: ls, inspect --verify, rm; misuse refused', async () => {
   }
 });
 
-test('ensureImage: returns the built default without rebuilding; other names must exist', async () => {
+test('ensureImage: returns the built default without rebuilding (and says nothing); other names must exist', async () => {
   const t = Date.now();
-  const img = await ensureImage('default');
+  const said: string[] = [];
+  const img = await ensureImage('default', { progress: (l) => said.push(l) });
   assert.ok(Date.now() - t < 2000, 'ensureImage rebuilt an existing image');
+  assert.equal(said, []);
   assert.is(img.manifest.initramfs.cpioSha256, first.initramfs.cpioSha256);
   try {
     await ensureImage('never-built');

@@ -76,6 +76,8 @@ export interface KvmEngineOptions {
    * their reclaim passes (pattern.ts; default true).
    */
   pattern?: boolean;
+  /** Called with a line about slow first-use work (building the image `default`, creating the template `default`); default: nothing. */
+  progress?: (line: string) => void;
 }
 
 /** Idle time before a child's first reclaim pass. */
@@ -110,7 +112,7 @@ export class KvmEngine implements Engine {
     checkResources(memoryMiB, vcpus);
     const problem = kvmHostProblem();
     if (problem) throw new UserError(problem, 'run `forkling doctor` for this host; use --engine process here, or run the KVM tests in the lab (npm run test:kvm); FORKLING_ALLOW_PVM=1 tries anyway');
-    const image = await ensureImage(opts.image);
+    const image = await ensureImage(opts.image, { progress: this.opts.progress });
     // The initramfs is unpacked into RAM (tmpfs, at most half of it) while its
     // compressed copy is still there; below this the guest panics with
     // "Initramfs unpacking failed" (measured: the default image at 256 MiB).
@@ -205,6 +207,7 @@ export class KvmEngine implements Engine {
       if (template !== 'default') loadTemplate(template); // throws "does not exist"
       let p = this.creatingTemplates.get(template);
       if (!p) {
+        this.opts.progress?.('forkling: creating template default (first use: image default, no warm-up)');
         p = this.createTemplate({ name: 'default', image: 'default' }).finally(() => this.creatingTemplates.delete(template));
         this.creatingTemplates.set(template, p);
       }

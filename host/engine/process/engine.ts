@@ -103,6 +103,8 @@ const REFILL_DEFER_MS = 250;
 export interface ProcessEngineOptions {
   /** Called with warnings (e.g. no cgroup limits); default: console.error. */
   warn?: (line: string) => void;
+  /** Called with a line about slow first-use work (building the image `default`, creating the template `default`); default: nothing. */
+  progress?: (line: string) => void;
   /** Maximum processes per sandbox (pids cgroup). Default 512. */
   pidsPerSandbox?: number;
   /** Resolves an image name to its unpacked root filesystem. Default: host/images.ts ensureImage(). */
@@ -503,6 +505,7 @@ export class ProcessEngine implements Engine {
   private readonly sandboxes = new Set<ProcessSandbox>();
   private readonly booted = new Set<Root>();
   private readonly warn: (line: string) => void;
+  private readonly progress: ((line: string) => void) | undefined;
   /** Killed sources whose PID 1 is held (stopped) until their last branch goes. */
   readonly holding = new Set<ProcessSandbox>();
   private readonly rootfsOf: (image: string) => Promise<string>;
@@ -518,7 +521,8 @@ export class ProcessEngine implements Engine {
 
   constructor(opts: ProcessEngineOptions = {}) {
     this.warn = opts.warn ?? ((l) => console.error(l));
-    this.rootfsOf = opts.rootfsOf ?? (async (image) => (await ensureImage(image)).rootfs);
+    this.progress = opts.progress;
+    this.rootfsOf = opts.rootfsOf ?? (async (image) => (await ensureImage(image, { progress: this.progress })).rootfs);
     this.pidsPerSandbox = opts.pidsPerSandbox ?? DEFAULT_PIDS;
     if (opts.spares !== undefined && !(Number.isInteger(opts.spares) && opts.spares >= 0 && opts.spares <= MAX_SPARES)) {
       throw new UserError(`spares: ${opts.spares} is not a whole number from 0 to ${MAX_SPARES}`, 'give the number of forks to keep ready per template, e.g. 8');
@@ -784,7 +788,10 @@ export class ProcessEngine implements Engine {
         const file = templateFile(checkName('template', template));
         let info: TemplateInfo;
         if (existsSync(file)) info = JSON.parse(readFileSync(file, 'utf8')) as TemplateInfo;
-        else if (template === 'default') await this.createTemplate({ name: 'default', image: 'default' });
+        else if (template === 'default') {
+          this.progress?.('forkling: creating template default (first use: image default, no warm-up)');
+          info = await this.createTemplate({ name: 'default', image: 'default' });
+        }
         else throw new UserError(`template ${JSON.stringify(template)} does not exist`, 'create it: forkling template create <name> --image <image>');
         const existing = this.zygotes.get(template);
         if (existing && !existing.dead) return existing;
