@@ -109,7 +109,8 @@ export async function serveCommand(argv: string[]): Promise<number> {
   const spares = str('spares') !== undefined || sparesEnv === undefined ? positiveInt('spares', str('spares'), DEFAULT_SPARES, 0) : undefined;
   const auth = tokenFile ? await TokenAuth.fromFile(tokenFile) : null;
 
-  const log = (line: string) => process.stderr.write(`forkling serve: ${line}\n`);
+  // (the engine's lines start with "forkling: " of their own)
+  const log = (line: string) => process.stderr.write(`forkling serve: ${line.replace(/^forkling: /, '')}\n`);
   const engine = await openEngine(str('engine'), { log, ...(spares !== undefined ? { processSpares: spares } : {}) });
   const metrics = new ServerMetrics();
   const manager = new SandboxManager({
