@@ -2075,7 +2075,8 @@ def pid1_setup():
     except OSError as e:
         log('sethostname: %s' % e)
     loopback_up()
-    load_modules(finit_module_syscall(libc))
+    if 'FORKLING_PROCESS_ROLE' not in os.environ:  # (the process engine runs on the host's kernel: its modules are not ours to load)
+        load_modules(finit_module_syscall(libc))
     run_thread(reaper, name='reaper')
 
 

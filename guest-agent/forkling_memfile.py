@@ -90,7 +90,12 @@ def remap(log, who='template'):
     scratch = mmap.mmap(-1, SCRATCH, flags=mmap.MAP_PRIVATE)
     st = ctypes.addressof(ctypes.c_char.from_buffer(state))
     buf = ctypes.c_char.from_buffer(scratch)
-    n = lib.fr_remap(st, ctypes.addressof(buf), SCRATCH, WAIT_MS)
+    # Once per template, so worth a second and third try where a thread did not park in time (a
+    # loaded host): a template without its file costs memory in every fork for its whole life.
+    for wait_ms in (WAIT_MS, 4 * WAIT_MS, 16 * WAIT_MS):
+        n = lib.fr_remap(st, ctypes.addressof(buf), SCRATCH, wait_ms)
+        if n != -errno.ETIMEDOUT:
+            break
     del buf
     scratch.close()
     if n < 0:

@@ -172,6 +172,34 @@ ctypes.CDLL(None).pthread_exit(None)
 '''
 
 
+# Run as its own process: a thread that cannot park for 0.5 s (past a first try's wait, not a
+# second's), as a thread of a loaded host may not; remap() tries again rather than leave the
+# template without its file.
+LATE_MAIN = '''
+import os, signal, sys, threading, time
+sys.path.insert(0, %(agent)r)
+os.environ['FORKLING_PROCESS_RECLAIM'] = '1'
+import forkling_memfile
+gate, blocking = threading.Event(), threading.Event()
+def late():
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGRTMAX})
+    blocking.set()
+    time.sleep(0.5)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGRTMAX})
+    gate.wait()
+t = threading.Thread(target=late)
+t.start()
+blocking.wait()
+said = []
+t0 = time.monotonic()
+forkling_memfile.remap(said.append)
+took = time.monotonic() - t0
+gate.set()
+t.join()
+print(repr({'enabled': forkling_memfile.enabled(), 'said': said, 'took': took}))
+'''
+
+
 # Run as its own process (a remap changes it for good): fr_reclaim_wait sleeps after a reclaim
 # until an fd is readable, and not at all after a reclaim that failed.
 WAIT_MAIN = '''
@@ -246,6 +274,13 @@ class ReclaimTest(unittest.TestCase):
         self.assertTrue(r['still'] and r['buf'], r)
         self.assertEqual(r['failed'], -errno.EBADF, r)
         self.assertLess(r['failed_in'], 0.3, r)
+
+    def test_remap_tries_again_when_a_thread_parks_late(self):
+        done = subprocess.run([sys.executable, '-c', LATE_MAIN % {'agent': os.path.dirname(HERE)}], capture_output=True, timeout=60)
+        self.assertEqual(done.returncode, 0, done.stderr.decode()[-3000:])
+        r = eval(done.stdout.decode())  # noqa: S307 - our own child's repr
+        self.assertEqual((r['enabled'], r['said']), (True, []), r)
+        self.assertGreaterEqual(r['took'], 0.2, r)  # (the first try gave up: the second made it)
 
     def test_a_main_thread_that_exited_does_not_stop_it(self):
         # The main thread calls pthread_exit (it stays listed, a zombie, while another thread
