@@ -18,6 +18,7 @@ const IMAGE = imageArg >= 0 ? args[imageArg + 1]! : 'numpy';
 const COLD = !args.includes('--no-cold');
 const KSM = args.includes('--ksm');
 const SPARES = !args.includes('--no-spares');
+const RECLAIM = !args.includes('--no-reclaim');
 const WARMUP = 'import numpy';
 /** How long children are left idle before their memory is read again: an idle fork gives back its
  * copies of the template's bytes once idle 2-5 s (four quiet ticks of its service thread, 0.5-1.25 s each), then
@@ -33,7 +34,7 @@ if (!imageExists(IMAGE)) {
   await buildImage({ name: 'numpy', extras: ['python3-numpy'], ifMissing: true });
 }
 const rootfs = loadImage(IMAGE).rootfs;
-const engine = new ProcessEngine({ rootfsOf: async () => rootfs, ksm: KSM });
+const engine = new ProcessEngine({ rootfsOf: async () => rootfs, ksm: KSM, reclaim: RECLAIM });
 const TEMPLATE = `bench-fork-${process.pid}`;
 
 /** CPU time of a process's live threads, in ms (schedstat: nanosecond run time). */

@@ -23,6 +23,7 @@ test('fork --json: the template is loaded apart from the fork; every child answe
   assert.is(rep.engine, 'process');
   assert.is(rep.template, 'default');
   assert.is(rep.n, 2);
+  assert.type(rep.template_created, 'boolean');
   for (const k of ['template_load_ms', 'total_ms', 'ready_ms', 'child_p50_ms', 'child_p99_ms']) {
     assert.ok(typeof rep.timings[k] === 'number' && rep.timings[k] > 0, `${k}: ${rep.timings[k]}`);
   }
@@ -53,11 +54,14 @@ test('fork, first use: says that it creates the template default (a silent wait 
     assert.is(r.status, 0, r.stderr);
     assert.match(r.stderr, /^forkling: creating template default \(first use: image default, no warm-up\)$/m);
     assert.not.match(r.stderr, /building image/, 'the image was there: nothing to build');
-    assert.is(JSON.parse(r.stdout).children[0].value, 42);
+    const first = JSON.parse(r.stdout);
+    assert.is(first.children[0].value, 42);
+    assert.is(first.template_created, true, 'its load time counts the creation: the report says so');
     // Made once: the next use says nothing of it.
     const again = spawnSync(process.execPath, ['bin/forkling.mjs', 'fork', '-n', '1', '--eval', '1'], { encoding: 'utf8', env: { ...env, FORKLING_HOME: home }, timeout: 120_000 });
     assert.is(again.status, 0, again.stderr);
     assert.not.match(again.stderr, /creating template/);
+    assert.match(again.stdout, /template loaded in [\d.]+ ms \(once per process, before the fork: its zygote started, warm-up run\)/);
   } finally {
     rmSync(home, { recursive: true, force: true });
   }
