@@ -88,7 +88,9 @@ export function cgroupMounts(mountinfo: string): { at: string; favordynmods: boo
  * Moving a new sandbox into its cgroup (the process engine, every fork) takes
  * the kernel's cgroup_threadgroup_rwsem for writing; without favordynmods the
  * first move after a pause waits for an RCU grace period (10-15 ms measured on
- * a 2-core host: a fork of 1 answered in ~20 ms instead of ~8).
+ * a 2-core host: a fork of 1 answered in ~20 ms instead of ~8). The engine
+ * takes that wait while the zygote forks (CgroupTree.prearm); what is left
+ * is the part of it longer than the fork.
  */
 export function cgroupMoveCheck(mountinfo = readText('/proc/self/mountinfo') ?? ''): Check {
   const name = 'cgroup moves';
@@ -100,7 +102,7 @@ export function cgroupMoveCheck(mountinfo = readText('/proc/self/mountinfo') ?? 
   return {
     name,
     status: 'warn',
-    detail: 'favordynmods off: a fork waits ~10-20 ms (an RCU grace period) to move its first sandbox into its cgroup (process engine)',
+    detail: 'favordynmods off: the first move of a sandbox into its cgroup after a quiet spell waits ~7-20 ms (an RCU grace period; the process engine starts that wait while the zygote forks, so one fork loses 0-8 ms of it)',
     fix: `as root, on Linux 6.0 or newer: mount -o remount,favordynmods ${JSON.stringify(v2.at)} (makes cgroup moves quick host-wide; forks and exits cost a little more)`,
   };
 }

@@ -84,4 +84,32 @@ test('a sandbox cgroup limits memory, memory + swap where the kernel accounts sw
   }
 });
 
+
+test("prearm (a move into the cgroup a process is in, taken early) leaves the process where it is; a gone process is no error", async () => {
+  const tree = new CgroupTree(`forkling-p${process.pid}-424242`);
+  if (tree.mode === 'none') {
+    console.log(`  (no cgroups here: ${tree.warning}; skipped)`);
+    return;
+  }
+  const cg = tree.create('prearmed', { memoryBytes: 64 << 20, pids: 16, cpus: 1 })!;
+  const sh = spawnSync('sh', ['-c', 'sleep 1000 >/dev/null 2>&1 & echo $!'], { encoding: 'utf8' });
+  const pid = Number(sh.stdout.trim());
+  try {
+    tree.enter(cg, pid);
+    const before = readFileSync(`/proc/${pid}/cgroup`, 'utf8');
+    await tree.prearm(cg, pid);
+    assert.is(readFileSync(`/proc/${pid}/cgroup`, 'utf8'), before, 'in the same cgroups');
+    assert.equal(tree.pids(cg), [pid]);
+    process.kill(pid, 'SIGKILL');
+    await pollUntil(() => !tree.pids(cg).includes(pid), 5000);
+    await tree.prearm(cg, pid); // (resolves: an optimisation never fails its caller)
+  } finally {
+    try {
+      process.kill(pid, 'SIGKILL');
+    } catch {}
+    await tree.remove(cg);
+    tree.close();
+  }
+});
+
 test.run();
