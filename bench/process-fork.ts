@@ -3,8 +3,8 @@
 // sandbox without a zygote (new namespaces, python3 start, the same warm-up from
 // scratch). "Ready" = every child has answered its first eval. Private memory
 // per child = Private_* of smaps_rollup of its processes while alive, after
-// that first answer, and again once they have been idle 6 s (given back, then asleep). Builds the image `numpy` (default + python3-numpy) once.
-//   npx tsx bench/process-fork.ts [--image NAME] [--no-cold] [--no-spares] [--ksm] [--n 1,10,100]
+// that first answer, and again once they have been idle 8 s (given back, then asleep). Builds the image `numpy` (default + python3-numpy) once.
+//   npx tsx bench/process-fork.ts [--image NAME] [--no-cold] [--no-spares] [--no-reclaim] [--ksm] [--n 1,10,100]
 import { closeSync, openSync, readdirSync, readFileSync, readSync, rmSync } from 'node:fs';
 import type { Sandbox } from '../host/engine/engine.ts';
 import { cgroupMoveCheck } from '../host/doctor/checks.ts';

@@ -1593,7 +1593,7 @@ def op_proc_wait(agent, conn, f):
     conn.register(req_id, handle)
 
     def wait():
-        deadline = time.monotonic() + t / 1000.0 if t is not None else None
+        deadline = time.monotonic() + t / 1000.0 if t else None  # (0, as absent: no limit)
         while not proc.done.is_set() and not handle.cancelled.is_set():
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:

@@ -8,11 +8,11 @@ import { checkName, UserError } from '../errors.ts';
 import { parseCommandLine } from './args.ts';
 import { intOption, listStoredTemplates } from './template.ts';
 
-const USAGE = 'usage: forkling fork <template> -n <N> [--eval <python code> | --exec <command>] [--json] [--keep] [--engine kvm|process|auto]';
+const USAGE = 'usage: forkling fork [<template>] [-n <N>] [--eval <python code> | --exec <command>] [--json] [--keep] [--engine kvm|process|auto]';
 
 const HELP = `${USAGE}
 
-Creates N children of the template (default: default, created on first use), in parallel,
+Creates N children (default 1, at most 1024) of the template (default: default, created on first use), in parallel,
 each ready once its agent has been restored (fresh entropy, clock, hostname, id). With
 --eval every child runs the Python code in its default context; with --exec the shell
 command. --keep leaves the children running until Ctrl-C.

@@ -32,7 +32,7 @@ const COMMANDS: Record<string, Entry> = {
     load: async () => (await import('./template.ts')).templateCommand,
   },
   fork: {
-    usage: 'fork <template> -n N [--eval code | --exec cmd] [--json]',
+    usage: 'fork [<template>] [-n N] [--eval code | --exec cmd] [--json]',
     summary: 'fork N children from a template and print their answers',
     load: async () => (await import('./fork.ts')).forkCommand,
   },

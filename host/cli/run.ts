@@ -19,7 +19,7 @@ result. Without --eval/--exec it only boots and powers off (a boot check).
 
   --memory <MiB>   guest RAM (default 512)
   --vcpus <n>      virtual CPUs (default 1)
-  --timeout <s>    limit for the boot to a ready agent (default 120)
+  --timeout <s>    limit for the boot to a ready agent (default 120 with the KVM engine, 30 with the process engine)
   --json           one JSON object: result, timings, memory
   --console        show the guest console (all kernel messages) on stderr`;
 

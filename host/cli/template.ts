@@ -116,6 +116,10 @@ export async function templateCommand(argv: string[]): Promise<number> {
     }
     case 'ls': {
       const { values, positionals } = parse(sub, rest, ['json']);
+      if (values.help) {
+        console.log(HELP);
+        return 0;
+      }
       if (positionals.length) throw new UserError('template ls takes no names', USAGE);
       const list = listStoredTemplates();
       if (values.json) {
@@ -136,7 +140,11 @@ export async function templateCommand(argv: string[]): Promise<number> {
       return 0;
     }
     case 'rm': {
-      const { positionals } = parse(sub, rest, []);
+      const { values, positionals } = parse(sub, rest, []);
+      if (values.help) {
+        console.log(HELP);
+        return 0;
+      }
       if (positionals.length !== 1) throw new UserError('template rm takes exactly one template name', USAGE);
       const name = checkName('template', positionals[0]!);
       const found = listStoredTemplates().filter((t) => t.name === name);

@@ -349,6 +349,8 @@ test('processes: background spawn with stdin, list, wait, signal, kill', async (
   const sleeper = await c.spawn(['sleep', '30']);
   const w = await c.procWait(sleeper.procId, 100);
   assert.is(w.running, true);
+  const short = await c.spawn(['sleep', '0.3']);
+  assert.is((await c.procWait(short.procId, 0)).running, false, 'timeoutMs 0: no limit (as for eval and exec), not a poll');
   assert.equal(await sleeper.signal('TERM'), { done: true });
   assert.is((await sleeper.done).signal, 'SIGTERM');
   const s2 = await c.spawn(['sleep', '30']);

@@ -20,6 +20,14 @@ test.after(() => {
   cli('template', 'rm', NAME);
 });
 
+test('template ls --help and template rm --help print the help (not a listing, not an error)', () => {
+  for (const sub of ['ls', 'rm']) {
+    const r = cli('template', sub, '--help');
+    assert.is(r.status, 0, r.stderr);
+    assert.match(r.stdout, /forkling template create <name>/);
+  }
+});
+
 test('template create: a bad --warmup-timeout is one clear error, before anything starts', () => {
   const alone = cli('template', 'create', NAME, '--warmup-timeout', '5');
   assert.is(alone.status, 2, alone.stderr);
