@@ -14,7 +14,7 @@ import { ForklingServer } from '../server/server.ts';
 import { ServerMetrics } from '../server/telemetry.ts';
 import { parseCommandLine } from './args.ts';
 
-/** Spare forks per template for the process engine (a new sandbox in ~2 ms instead of ~6 here). */
+/** Spare forks per template for the process engine (a new sandbox answers its first eval in ~5 ms instead of ~10 here: README). */
 const DEFAULT_SPARES = 4;
 
 const USAGE = `usage: forkling serve [options]
@@ -30,7 +30,7 @@ const USAGE = `usage: forkling serve [options]
   --max-in-flight <n>       open requests per WebSocket connection (default ${DEFAULT_MAX_IN_FLIGHT})
   --spares <n>              process engine: forks kept ready per template, so that a new sandbox needs no
                             fork of its own (default $FORKLING_PROCESS_SPARES, else ${DEFAULT_SPARES}; 0: none);
-                            each holds an idle sandbox's memory (~2 MiB) and counts in no limit
+                            each holds an idle sandbox's memory (~0.4 MiB once idle 2-5 s) and counts in no limit
   --max-unsent-mib <n>      most output held for clients that read slower than their sandboxes write, all
                             of them together (default 1024); past it, those holding the most are cut off
                             (so is a client that takes none of 64 KiB or more for 60 s)

@@ -164,6 +164,8 @@ interface Zygote extends Root {
   requests: Gate;
   /** The template frozen and the fork server started (a fork with no children): prepare(). */
   prepared: Promise<void> | null;
+  /** prepare() done: the template's pattern made (or given up on), so forks from here on map it. */
+  patterned: boolean;
   /** The memory limit of its cgroup now: the template's, plus what each fork may leave charged to it (see forkAllowance). */
   memoryLimit: number;
   /** What a fork copies of the warm-up's /dev/shm in its set-up (read once the warm-up has run). */
@@ -306,6 +308,8 @@ class ProcessSandbox implements Sandbox {
   readonly exited: Promise<ExitInfo>;
   private resolveExit!: (e: ExitInfo) => void;
   killing = false;
+  /** A spare made before its template's pattern (renewSpares replaces it). */
+  beforePattern = false;
   private ended = false;
 
   /** Not ended (its agent's connection is open). */
@@ -754,7 +758,7 @@ export class ProcessEngine implements Engine {
       await this.destroyRoot(root);
       throw e;
     }
-    const z: Zygote = { ...root, info, client, limits, dead: false, spares: [], refilling: null, refillNow: null, requests: new Gate(2), prepared: null, memoryLimit: limits.memoryBytes, shmBytes: 0 };
+    const z: Zygote = { ...root, info, client, limits, dead: false, spares: [], refilling: null, refillNow: null, requests: new Gate(2), prepared: null, patterned: false, memoryLimit: limits.memoryBytes, shmBytes: 0 };
     void client.closed
       .then(() => {
         z.dead = true;
@@ -807,16 +811,21 @@ export class ProcessEngine implements Engine {
 
   async prepare(template: string): Promise<void> {
     this.checkOpen();
-    const z = await this.zygote(template);
-    // What the first fork would do: freeze the template, start the fork server.
+    await this.prepared(await this.zygote(template));
+  }
+
+  /** What the first fork would do: freeze the template, start the fork server; and wait (up to 10 s) for its pattern. Once. */
+  private prepared(z: Zygote): Promise<void> {
     z.prepared ??= z.client.request('fork', { children: [] }).then(
-      () => {},
+      () => {
+        z.patterned = true;
+      },
       (e) => {
         z.prepared = null; // the next prepare (or fork) tries again
         throw e;
       },
     );
-    await z.prepared;
+    return z.prepared;
   }
 
   async fork(template: string, n: number): Promise<Sandbox[]> {
@@ -869,6 +878,7 @@ export class ProcessEngine implements Engine {
     const want = this.spareTarget - z.spares.length;
     if (want <= 0 || z.refilling || z.dead || this.closed) return;
     let failed = false;
+    const patterned = z.patterned;
     z.refilling = this.firstAnswers(z, after)
       .then(() => (z.dead || this.closed ? [] : Promise.allSettled(chunks(want, z.limits.pids).map((k) => this.spawnChildren(z, k, false)))))
       .then((parts) => {
@@ -877,7 +887,10 @@ export class ProcessEngine implements Engine {
             failed = true;
             this.warn(`forkling: refilling the spare forks of ${z.info.name} failed: ${(p.reason as Error).message}`);
           } else if (z.dead || this.closed || this.zygotes.get(z.info.name) !== z) void Promise.all(p.value.map((s) => s.kill())).catch(() => {}); // (retired meanwhile)
-          else z.spares.push(...p.value);
+          else {
+            if (!patterned) for (const s of p.value) s.beforePattern = true;
+            z.spares.push(...p.value);
+          }
         }
       })
       .finally(() => {
@@ -885,7 +898,24 @@ export class ProcessEngine implements Engine {
         this.pruneRetired();
         // Spares handed out while this refill ran are made now, not at the next fork (after a failure: at the next fork).
         if (followUp && !failed && this.zygotes.get(z.info.name) === z) this.refill(z, false);
+        if (!patterned && !failed) void this.renewSpares(z);
       });
+  }
+
+  /**
+   * The first spares are made at once (a first request waits for them), before the template's
+   * pattern: each would hold ~600 KiB more than a spare made after it, for as long as it waits.
+   * Once the pattern is there, those still waiting are replaced.
+   */
+  private async renewSpares(z: Zygote): Promise<void> {
+    await this.prepared(z).catch(() => {});
+    while (z.refilling) await z.refilling.catch(() => {}); // (its own `want` would not count the spares replaced here)
+    if (!z.patterned || z.dead || this.closed || this.zygotes.get(z.info.name) !== z) return;
+    const old = z.spares.filter((s) => s.beforePattern);
+    if (!old.length) return;
+    z.spares = z.spares.filter((s) => !s.beforePattern);
+    this.refill(z); // (at once: sparesReady() waits for it)
+    await Promise.all(old.map((s) => s.kill().catch(() => {})));
   }
 
   /** Resolves once each of `sandboxes` has answered a request (or after REFILL_DEFER_MS, or at z.refillNow()). */
