@@ -1009,7 +1009,7 @@ export class ProcessEngine implements Engine {
     };
     const hold = sub === 'b' && this.cgroups.mode !== 'none';
     // The kernel's wait before our first move into a child's cgroup, taken while the parent forks
-    // (a move of the parent into the cgroup it is in): one fork, paired runs, 8.6 ms of its 18.8.
+    // (a move of the parent into the cgroup it is in): one fork at a time answered in 13-14 ms, not 22-24 (paired runs).
     const parentCgroup = source ? source.cgroup : zygote!.cgroup;
     if (parentCgroup) void this.cgroups.prearm(parentCgroup, parentPid);
     // (bounded: a branch's source is user code, which may never answer; a fork server waits READY_TIMEOUT_S for its children)
