@@ -1,7 +1,8 @@
 // `forkling serve --spares N` (process engine): N forks of each template are
 // kept ready, so that a new sandbox is one of them; they are refilled after.
 // Seen from outside: the engine's cgroups, one per fork, named by its id.
-import { readdirSync } from 'node:fs';
+import { readdirSync, readFileSync, readlinkSync } from 'node:fs';
+import { join } from 'node:path';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import { engineDirsOf } from '../../host/engine/process/cgroups.ts';
@@ -12,6 +13,20 @@ import { serve, serverMode } from './server-harness.ts';
 /** The sandbox cgroups (each a sandbox's or a zygote's, z-...) of engine process `pid`. */
 const engineCgroups = (pid: number): string[] =>
   engineDirsOf(pid).flatMap((d) => readdirSync(d, { withFileTypes: true }).flatMap((e) => (e.isDirectory() ? [e.name] : [])));
+/**
+ * Whether the sandbox of cgroup `name` maps its template's pattern (3 template files: the
+ * zygote's, its fork server's, the pattern's). The first spares are made before the pattern
+ * and replaced once it is there: until then the spares waiting are not the ones handed out.
+ */
+const mapsPattern = (pid: number, name: string): boolean =>
+  engineDirsOf(pid).some((d) => {
+    try {
+      const sb = readFileSync(join(d, name, 'cgroup.procs'), 'utf8').split('\n')[0];
+      return readdirSync(`/proc/${sb}/fd`).filter((fd) => readlinkSync(`/proc/${sb}/fd/${fd}`).startsWith('/memfd:forkling-template')).length === 3;
+    } catch {
+      return false; // (gone meanwhile)
+    }
+  });
 
 test('serve --spares 2: two forks wait per template; a new sandbox is one of them, and they are refilled', async () => {
   if (serverMode() !== 'cli') return; // (the in-process server runs a helper engine without spares)
@@ -21,9 +36,9 @@ test('serve --spares 2: two forks wait per template; a new sandbox is one of the
     const pid = srv.proc!.pid!;
     const first = await Sandbox.create({ url: srv.url }); // the default template's zygote starts, then its spares
     const spares = () => engineCgroups(pid).filter((n) => !n.startsWith('z-') && n !== first.id);
-    if (!(await pollUntil(() => spares().length === 2, 20_000))) {
+    if (!(await pollUntil(() => spares().length === 2 && spares().every((n) => mapsPattern(pid, n)), 20_000))) {
       if (engineCgroups(pid).length === 0) return; // (a host without usable cgroups: nothing to see them by)
-      assert.unreachable(`spares: ${spares().join(', ')}`);
+      assert.unreachable(`spares (each mapping its pattern?): ${spares().map((n) => `${n} ${mapsPattern(pid, n)}`).join(', ')}`);
     }
     const waiting = spares();
     const second = await Sandbox.create({ url: srv.url });

@@ -6,7 +6,7 @@
 import { randomBytes } from 'node:crypto';
 import { existsSync, readFileSync, statSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { type AgentClient, answeredWithin } from '../../agent/client.ts';
+import { type AgentClient, AgentError, answeredWithin } from '../../agent/client.ts';
 import { checkName, UserError } from '../../errors.ts';
 import { buildDirAtomic, storePath } from '../../store.ts';
 import type { TemplateInfo, TemplateOptions } from '../engine.ts';
@@ -184,6 +184,10 @@ export async function createKvmTemplate(
       writeFileSync(join(staging, INFO_FILE), `${JSON.stringify({ ...info, memoryFile: w.memory, stateBytes: w.stateBytes }, null, 2)}\n`); // (synced with the directory: buildDirAtomic)
     });
     return info;
+  } catch (e) {
+    // A connection the agent closed while the template was made (seen once in the lab): the guest's side of it.
+    if (e instanceof AgentError && e.code === 'closed') e.message += sb.lastLines();
+    throw e;
   } finally {
     await sb.kill();
   }
