@@ -84,7 +84,6 @@ test('a sandbox cgroup limits memory, memory + swap where the kernel accounts sw
   }
 });
 
-
 test("prearm (a move into the cgroup a process is in, taken early) leaves the process where it is; a gone process is no error", async () => {
   const tree = new CgroupTree(`forkling-p${process.pid}-424242`);
   if (tree.mode === 'none') {

@@ -4,7 +4,7 @@
 // (about a minute, cached in the store).
 import { spawnSync } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
-import { chownSync, existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, readlinkSync, rmSync, statSync } from 'node:fs';
+import { chownSync, existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { test } from 'uvu';
@@ -17,6 +17,7 @@ import { ensureImage } from '../../host/images.ts';
 import { storePath } from '../../host/store.ts';
 import { pollUntil } from '../../host/util/poll.ts';
 import { loud } from '../loud-hook.ts';
+import { templateFiles } from '../template-files.ts';
 import { comesToSleep, sleptFor } from '../wakeups.ts';
 
 const root = dirname(dirname(dirname(fileURLToPath(import.meta.url))));
@@ -1238,14 +1239,6 @@ test('spare forks: taken first, restored when made (fresh randomness each), a de
     // the first spares are made at once (the first fork waits for them), before the template's pattern;
     // once it is there they are replaced by spares that map it (the zygote's file, its fork server's and
     // the pattern's): one made before it would hold ~600 KiB more while it waits
-    const templateFiles = (pid: number) =>
-      readdirSync(`/proc/${pid}/fd`).filter((fd) => {
-        try {
-          return readlinkSync(`/proc/${pid}/fd/${fd}`).startsWith('/memfd:forkling-template');
-        } catch {
-          return false;
-        }
-      }).length;
     const spareFiles = () => (spareEngine as unknown as { zygotes: Map<string, { spares: Sandbox[] }> }).zygotes.get(TEMPLATE)!.spares.map((s) => templateFiles(hostPid(s)));
     assert.ok(await pollUntil(() => spareFiles().join() === '3,3,3', 15_000), `each maps the template's pattern: ${spareFiles()}`);
     const kids = await spareEngine.fork(TEMPLATE, 5); // 3 spares + 2 fresh

@@ -1,13 +1,14 @@
 // `forkling serve --spares N` (process engine): N forks of each template are
 // kept ready, so that a new sandbox is one of them; they are refilled after.
 // Seen from outside: the engine's cgroups, one per fork, named by its id.
-import { readdirSync, readFileSync, readlinkSync } from 'node:fs';
+import { readdirSync, readFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import { engineDirsOf } from '../../host/engine/process/cgroups.ts';
 import { Sandbox } from '../../host/index.ts';
 import { pollUntil } from '../../host/util/poll.ts';
+import { templateFiles } from '../template-files.ts';
 import { serve, serverMode } from './server-harness.ts';
 
 /** The sandbox cgroups (each a sandbox's or a zygote's, z-...) of engine process `pid`. */
@@ -21,8 +22,7 @@ const engineCgroups = (pid: number): string[] =>
 const mapsPattern = (pid: number, name: string): boolean =>
   engineDirsOf(pid).some((d) => {
     try {
-      const sb = readFileSync(join(d, name, 'cgroup.procs'), 'utf8').split('\n')[0];
-      return readdirSync(`/proc/${sb}/fd`).filter((fd) => readlinkSync(`/proc/${sb}/fd/${fd}`).startsWith('/memfd:forkling-template')).length === 3;
+      return templateFiles(Number(readFileSync(join(d, name, 'cgroup.procs'), 'utf8').split('\n')[0])) === 3;
     } catch {
       return false; // (gone meanwhile)
     }
