@@ -4,7 +4,7 @@
 // scratch). "Ready" = every child has answered its first eval. Private memory
 // per child = Private_* of smaps_rollup of its processes while alive, after
 // that first answer, and again once they have been idle 8 s (given back, then asleep). Builds the image `numpy` (default + python3-numpy) once.
-//   npx tsx bench/process-fork.ts [--image NAME] [--no-cold] [--no-spares] [--no-reclaim] [--ksm] [--n 1,10,100]
+//   npx tsx bench/process-fork.ts [--image NAME] [--no-cold] [--no-spares] [--no-reclaim] [--no-prefault] [--ksm] [--n 1,10,100]
 import { closeSync, openSync, readdirSync, readFileSync, readSync, rmSync } from 'node:fs';
 import type { Sandbox } from '../host/engine/engine.ts';
 import { cgroupMoveCheck } from '../host/doctor/checks.ts';
@@ -19,6 +19,7 @@ const COLD = !args.includes('--no-cold');
 const KSM = args.includes('--ksm');
 const SPARES = !args.includes('--no-spares');
 const RECLAIM = !args.includes('--no-reclaim');
+const PREFAULT = !args.includes('--no-prefault');
 const WARMUP = 'import numpy';
 /** How long children are left idle before their memory is read again: an idle fork gives back its
  * copies of the template's bytes once idle 2-5 s (four quiet ticks of its service thread, 0.5-1.25 s each), then
@@ -34,7 +35,7 @@ if (!imageExists(IMAGE)) {
   await buildImage({ name: 'numpy', extras: ['python3-numpy'], ifMissing: true });
 }
 const rootfs = loadImage(IMAGE).rootfs;
-const engine = new ProcessEngine({ rootfsOf: async () => rootfs, ksm: KSM, reclaim: RECLAIM });
+const engine = new ProcessEngine({ rootfsOf: async () => rootfs, ksm: KSM, reclaim: RECLAIM, prefault: PREFAULT });
 const TEMPLATE = `bench-fork-${process.pid}`;
 
 /** CPU time of a process's live threads, in ms (schedstat: nanosecond run time). */

@@ -64,13 +64,13 @@ def _load(log):
     except (OSError, AttributeError) as e:
         log('forks will not give back the pages they copied (more memory per child): %s' % e)
         return None
-    for fn in (lib.fr_remap, lib.fr_reclaim, lib.fr_reclaim_wait, lib.fr_state_size, lib.fr_files, lib.fr_fd, lib.fr_pattern, lib.fr_nruns, lib.fr_adopt):
+    for fn in (lib.fr_remap, lib.fr_reclaim, lib.fr_reclaim_wait, lib.fr_state_size, lib.fr_files, lib.fr_fd, lib.fr_pattern, lib.fr_nruns, lib.fr_adopt, lib.fr_prefault):
         fn.restype = ctypes.c_long
     lib.fr_runs.restype = ctypes.c_void_p
-    for fn in (lib.fr_files, lib.fr_pattern, lib.fr_runs, lib.fr_nruns):
+    for fn in (lib.fr_files, lib.fr_pattern, lib.fr_runs, lib.fr_nruns, lib.fr_prefault):
         fn.argtypes = (ctypes.c_void_p,)
     lib.fr_fd.argtypes = (ctypes.c_void_p, ctypes.c_long)
-    lib.fr_adopt.argtypes = (ctypes.c_void_p, ctypes.c_long, ctypes.c_char_p, ctypes.c_long)
+    lib.fr_adopt.argtypes = (ctypes.c_void_p, ctypes.c_long, ctypes.c_char_p, ctypes.c_long, ctypes.POINTER(ctypes.c_long))
     lib.fr_remap.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long)
     lib.fr_reclaim.argtypes = (ctypes.c_void_p, ctypes.c_long)
     lib.fr_reclaim_wait.argtypes = (ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long)
@@ -153,7 +153,7 @@ def adopt(pid, fd, runs):
         raise OSError(errno.EINVAL, 'runs: not a whole number of struct fr_region')
     lib, st = STATE['lib'], STATE['st']
     mine = os.open('/proc/%d/fd/%d' % (pid, fd), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # (never a FIFO's wait)
-    n = lib.fr_adopt(st, mine, runs, len(runs) // RUN_BYTES)
+    n = lib.fr_adopt(st, mine, runs, len(runs) // RUN_BYTES, None)  # (forks of the Python loop copy nothing ahead)
     if n < 0:
         os.close(mine)
         raise OSError(-n, os.strerror(-n))

@@ -58,6 +58,8 @@ struct fr_state {
   long pfile;   /* the pattern's index in f (fr_adopt), valid while np > 0 */
   long np;      /* its runs: where its pages lay in the process that made it */
   struct fr_region p[FR_MAX_REGIONS];
+  long nw;      /* the pages of those runs that the pattern child changed (fr_prefault's; off unused) */
+  struct fr_region w[FR_MAX_REGIONS];
 };
 
 long fr_state_size(void) { return sizeof(struct fr_state); }
@@ -625,6 +627,46 @@ long fr_remap(struct fr_state *st, char *scratch, long scratch_len, long wait_ms
 
 /* ----------------------------------------------------------- pattern */
 
+/* The pages of the pattern's runs (st->p, np; its file mapped at `pat`) whose bytes differ from
+ * this process's at that address, as runs in st->w: what a fork of it writes at its first
+ * requests (fr_prefault). Not the rest of the runs: a run joins pages over short gaps, whose
+ * bytes the pattern child never changed. Only in mappings remap would take (read-write, private,
+ * no flag that forbids our reads), and no guard page: a fork populates nothing else. */
+static void changed_runs(struct fr_state *st, long pat) {
+  st->nw = 0;
+  const long len = 32 << 20;
+  long buf = S6(NR_mmap, 0, len, 3, 0x22 /* PRIVATE | ANONYMOUS */, -1, 0);
+  if (buf < 0 && buf > -4096) return;
+  char *smaps = (char *)buf;
+  int pm = (int)S2(NR_open, "/proc/thread-self/pagemap", 0);
+  struct mapping m;
+  u64 ent;
+  long i = 0;
+  if (pm >= 0 && read_proc("/proc/thread-self/smaps", smaps, len) > 0) {
+    for (const char *s = smaps; i < st->np && st->nw < FR_MAX_REGIONS && next_mapping(st, &s, &m, 0, 0);) {
+      for (; i < st->np && st->p[i].end <= m.start; i++) {}
+      for (long j = i; m.ok && j < st->np && st->p[j].start < m.end && st->nw < FR_MAX_REGIONS; j++) {
+        const struct fr_region *g = &st->p[j];
+        u64 a = g->start > m.start ? g->start : m.start, b = g->end < m.end ? g->end : m.end;
+        for (u64 q = a; q < b; q += PAGE) {
+          const char *theirs = (const char *)(pat + g->off + (q - g->start));
+          if (pagemap(pm, q, &ent, 1) < 0 || (ent & PM_GUARD) || same_page((const char *)q, theirs)) continue;
+          struct fr_region *w = st->nw ? &st->w[st->nw - 1] : 0;
+          if (w && w->end == q) {
+            w->end += PAGE;
+          } else if (st->nw < FR_MAX_REGIONS) {
+            st->w[st->nw].start = q;
+            st->w[st->nw].end = q + PAGE;
+            st->nw++;
+          }
+        }
+      }
+    }
+  }
+  if (pm >= 0) S1(NR_close, pm);
+  S2(NR_munmap, buf, len);
+}
+
 /* In the fork server: takes the pattern, the file a pattern child of the
  * template made with fr_remap (fd: the fork server's own fd of it) after it
  * had answered what every sandbox answers first, and its runs (where those
@@ -632,8 +674,9 @@ long fr_remap(struct fr_state *st, char *scratch, long scratch_len, long wait_ms
  * lays its pages out as the pattern child did, and most of what it writes
  * at first it writes as the pattern child did, byte for byte: fr_reclaim
  * then maps the pattern's page over such a copy. Forks inherit it. Returns
- * the file's length, or -errno with nothing changed. */
-long fr_adopt(struct fr_state *st, long fd, const struct fr_region *runs, long n) {
+ * the file's length (and in *prefault_pages, unless 0, the pages each fork
+ * copies ahead: changed_runs), or -errno with nothing changed. */
+long fr_adopt(struct fr_state *st, long fd, const struct fr_region *runs, long n, long *prefault_pages) {
   u64 stat[18];
   if (st->np) return -EEXIST;
   if (st->nfiles == FR_MAX_FILES) return -ENOSPC;
@@ -665,7 +708,33 @@ long fr_adopt(struct fr_state *st, long fd, const struct fr_region *runs, long n
   st->f[st->nfiles].ino = stat[1];
   st->nfiles++;
   st->np = n;
+  changed_runs(st, a);
+  if (prefault_pages) {
+    *prefault_pages = 0;
+    for (long i = 0; i < st->nw; i++) *prefault_pages += (long)((st->w[i].end - st->w[i].start) / PAGE);
+  }
   return (long)size;
+}
+
+/* In a new fork, first thing (the fork server's child, one thread, no
+ * Python run yet): copies the pages the template's pattern says a fork
+ * writes at its first requests (changed_runs), one madvise(MADV_POPULATE_WRITE) per run,
+ * instead of one write fault each later. A fault costs an exception and,
+ * once the fork runs its threads, a TLB flush on the other cores that run
+ * them: on a host that is itself a VM without nested paging, each of those
+ * is a hypercall. A run not mapped here (the pattern child mapped it later)
+ * fails alone. Copies of the template's bytes that the fork never changes
+ * go back at its first reclaim. Returns the pages copied, or -EINVAL where
+ * the kernel has no MADV_POPULATE_WRITE (before 5.14). */
+long fr_prefault(const struct fr_state *st) {
+  long n = 0;
+  for (long i = 0; i < st->nw; i++) {
+    const struct fr_region *g = &st->w[i];
+    long r = S3(NR_madvise, g->start, g->end - g->start, 23 /* MADV_POPULATE_WRITE */);
+    if (r == -EINVAL) return r;
+    if (r == 0) n += (long)((g->end - g->start) / PAGE);
+  }
+  return n;
 }
 
 /* The pattern's run that holds address a, or 0 (fr_adopt checked they are in order). */
@@ -828,8 +897,12 @@ long fr_reclaim(const struct fr_state *st, long wait_ms) {
   (void)st, (void)wait_ms;
   return -38;
 }
-long fr_adopt(struct fr_state *st, long fd, const struct fr_region *runs, long n) {
-  (void)st, (void)fd, (void)runs, (void)n;
+long fr_prefault(const struct fr_state *st) {
+  (void)st;
+  return -22; /* EINVAL */
+}
+long fr_adopt(struct fr_state *st, long fd, const struct fr_region *runs, long n, long *prefault_pages) {
+  (void)st, (void)fd, (void)runs, (void)n, (void)prefault_pages;
   return -38;
 }
 long fr_reclaim_wait(struct fr_state *st, long wait_ms, void *fds, long nfds, long publish) {

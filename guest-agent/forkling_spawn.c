@@ -15,7 +15,7 @@
  */
 
 /* Checked by the caller against its own copy of the structures below. */
-#define FS_VERSION 3
+#define FS_VERSION 4
 int fs_version(void) { return FS_VERSION; }
 
 /* Every function called returns an int (pid_t, or 0 / -1): read as a long,
@@ -66,7 +66,9 @@ struct fs_serve {
   long ready_timeout_ms; /* how long a child may take to say it is ready */
   long reap_ms;          /* how often an idle server reaps its exited children */
   /* forkling_reclaim's fr_adopt and its state, or 0: the pattern's file (fs_serve's adopt) */
-  long (*adopt)(void *st, long fd, const void *runs, long n);
+  long (*adopt)(void *st, long fd, const void *runs, long n, long *prefault_pages);
+  /* forkling_reclaim's fr_prefault, or 0: run in each new child, first thing */
+  long (*prefault)(const void *st);
   void *st;
   /* out, in a child: what it is (fs_serve has unmapped its copy of the request) */
   long index;
@@ -215,7 +217,7 @@ int fs_spawn(const struct fs_libc *c, int pidns_fd, struct fs_child *children, i
  *   answer   u32 length of what follows, then
  *     FS_FORK   u32 n; n times: i32 pid, i32 status (FS_*), i32 errno, i32 length of text, i64
  *               setup ns, text (the failed call, or what the child said, at most FS_TEXT bytes)
- *     FS_ADOPT  i64 fr_adopt's result
+ *     FS_ADOPT  i64 fr_adopt's result, i64 the pages each fork copies ahead (fr_prefault)
  *
  * Raw system calls (x86-64, as the process engine's seccomp filter) but
  * for fs_spawn's, which go through the caller's libc. */
@@ -339,6 +341,7 @@ static long serve_fork(const struct fs_libc *c, struct fs_serve *a, long len) {
   int i = fs_spawn(c, a->pidns_fd, kids, (int)n, a->steps, (int)a->nsteps);
   if (i >= 0) { /* the child: what it needs, then no copy of the request (the server rewrites it) */
     struct fs_child *k = &kids[i];
+    if (a->prefault) a->prefault(a->st); /* (while it has one thread: see fr_prefault) */
     a->index = i;
     a->flags = k->flags;
     a->ready_w = k->ready_w;
@@ -441,19 +444,21 @@ static long serve_adopt(struct fs_serve *a, long len) {
     for (const char *t = k ? "" : "/fd/"; *t;) path[p++] = *t++;
   }
   path[p] = 0;
+  long pages = 0;
   if (!a->adopt) {
     res = -ENOSYS;
   } else {
     long fd = sc(NR_openat, -100 /* AT_FDCWD */, (long)path, O_CLOEXEC | 04000 /* O_RDONLY | O_NONBLOCK: never a FIFO's wait */, 0, 0, 0);
-    res = fd < 0 ? fd : a->adopt(a->st, fd, (const void *)m, head[2]);
+    res = fd < 0 ? fd : a->adopt(a->st, fd, (const void *)m, head[2], &pages);
     if (fd >= 0 && res < 0) sc(NR_close, fd, 0, 0, 0, 0, 0);
   }
   sc(NR_munmap, m, size, 0, 0, 0, 0);
-  char answer[12];
-  unsigned l = 8;
+  char answer[20];
+  unsigned l = 16;
   copy(answer, (const char *)&l, 4);
   copy(answer + 4, (const char *)&res, 8);
-  r = write_all(a->sock, answer, 12);
+  copy(answer + 12, (const char *)&pages, 8);
+  r = write_all(a->sock, answer, 20);
   return r < 0 ? r : -1;
 }
 

@@ -416,7 +416,7 @@ def _make_pattern(server):
             if STATE['server'] is not server:
                 return
             res = _server_call(_pack_adopt(pid, made['fd'], made['runs']))
-        res = struct.unpack('=q', res)[0] if isinstance(res, bytes) and len(res) == 8 else res
+        res, ahead = struct.unpack('=qq', res) if isinstance(res, bytes) and len(res) == 16 else (res, 0)
         if not isinstance(res, int) or res < 0:
             raise OSError('the fork server did not take it: %s' % (os.strerror(-res) if isinstance(res, int) else res or 'it exited'))
     except Exception as e:  # noqa: BLE001 - an optimisation: said on the console, forks go on
@@ -431,7 +431,14 @@ def _make_pattern(server):
     if why is not None:
         _agent_mod.log('no pattern for this template\'s forks (more memory per fork): %s' % why)
     else:
-        _agent_mod.log('pattern for forks: %d KiB in %.0f ms' % (res >> 10, (time.monotonic() - t0) * 1000))
+        _agent_mod.log('pattern for forks: %d KiB in %.0f ms; each fork copies %d KiB of it ahead'
+                       % (res >> 10, (time.monotonic() - t0) * 1000, ahead * 4 if _prefaults() else 0))
+
+
+def _prefaults():
+    """Whether the fork server's forks copy the pattern's pages ahead (forkling_reclaim's
+    fr_prefault; the engine's option prefault)."""
+    return forkling_memfile.enabled() and os.environ.get('FORKLING_PROCESS_PREFAULT') != '0'
 
 
 def _drive_pattern(pid, name):
@@ -690,7 +697,7 @@ def _server_main(agent, sock):
         if msg is None:
             os._exit(0)  # the zygote closed its end
         if struct.unpack_from('=I', msg)[0] == FS_ADOPT:
-            _send_msg(sock, struct.pack('=q', _adopt(msg)))
+            _send_msg(sock, struct.pack('=qq', _adopt(msg), 0))  # (its forks copy no page ahead: fr_prefault)
             continue
         # One thread, unless an at-fork handler of the warm-up started one: then os.fork().
         fork = _fork_child if len(os.listdir('/proc/self/task')) == 1 else os.fork
@@ -706,6 +713,7 @@ def _serve_in_c(agent, sock):
     serve = _Serve(sock=sock.fileno(), pidns_fd=STATE['pidns_fd'], steps=ctypes.addressof(arr), nsteps=len(steps),
                    ready_timeout_ms=int(READY_TIMEOUT_S * 1000), reap_ms=REAP_INTERVAL_MS,
                    adopt=ctypes.cast(mf['lib'].fr_adopt, ctypes.c_void_p).value if forkling_memfile.enabled() else None,
+                   prefault=ctypes.cast(mf['lib'].fr_prefault, ctypes.c_void_p).value if _prefaults() else None,
                    st=mf['st'])
     i = _SPAWN['serve'](ctypes.byref(_SPAWN['libc']), ctypes.byref(serve))
     if i == -errno.EPIPE:
@@ -841,12 +849,12 @@ class _Child(ctypes.Structure):  # struct fs_child
 class _Serve(ctypes.Structure):  # struct fs_serve
     _fields_ = [('sock', ctypes.c_int), ('pidns_fd', ctypes.c_int), ('steps', ctypes.c_void_p), ('nsteps', ctypes.c_long),
                 ('ready_timeout_ms', ctypes.c_long), ('reap_ms', ctypes.c_long), ('adopt', ctypes.c_void_p),
-                ('st', ctypes.c_void_p), ('index', ctypes.c_long)] + [
+                ('prefault', ctypes.c_void_p), ('st', ctypes.c_void_p), ('index', ctypes.c_long)] + [
         (n, ctypes.c_int) for n in ('flags', 'ready_w', 'keep_fd', 'step_failed', 'err', 'pad_')] + [
         ('id', ctypes.c_char * 40), ('hostname', ctypes.c_char * 72)]
 
 
-SPAWN_VERSION = 3  # forkling_spawn.c's FS_VERSION: the structures above match its own
+SPAWN_VERSION = 4  # forkling_spawn.c's FS_VERSION: the structures above match its own
 _SPAWN = {}  # 'lib': fs_spawn (or None: not built), 'serve': fs_serve, 'libc': a _Libc
 
 

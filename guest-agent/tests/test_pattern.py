@@ -2,7 +2,8 @@
 fork of it (the pattern child) writes some pages and makes them a file of
 its own (fr_remap again); the process takes that file (fr_adopt, which
 refuses what is not sealed or whose runs are out of order or past its end);
-a later fork that wrote the same bytes to the same pages gets the pattern's
+a new fork copies the pattern's pages ahead (fr_prefault), its bytes
+unchanged; a later fork that wrote the same bytes to the same pages gets the pattern's
 pages mapped over its copies at reclaim (fr_reclaim), keeps the pages that
 differ, loses no write made while it reclaims, and what it writes after is
 its own; memory made executable since keeps its protection. Needs the built library (npm run build:native); x86-64."""
@@ -100,14 +101,14 @@ class Scenario:
         out = {}
         unsealed = os.memfd_create('unsealed', os.MFD_ALLOW_SEALING)
         os.ftruncate(unsealed, 16 * PAGE)
-        out['unsealed'] = lib.fr_adopt(st, unsealed, run(self.region, self.region + PAGE, 0), 1)
+        out['unsealed'] = lib.fr_adopt(st, unsealed, run(self.region, self.region + PAGE, 0), 1, None)
         os.close(unsealed)
         size = os.fstat(fd).st_size
         first = int.from_bytes(runs[:8], 'little')
-        out['past_end'] = lib.fr_adopt(st, fd, run(first, first + PAGE, size), 1)
-        out['misaligned'] = lib.fr_adopt(st, fd, run(first + 1, first + PAGE + 1, 0), 1)
-        out['out_of_order'] = lib.fr_adopt(st, fd, run(first + PAGE, first + 2 * PAGE, 0) + run(first, first + PAGE, 0), 2)
-        out['none'] = lib.fr_adopt(st, fd, b'', 0)
+        out['past_end'] = lib.fr_adopt(st, fd, run(first, first + PAGE, size), 1, None)
+        out['misaligned'] = lib.fr_adopt(st, fd, run(first + 1, first + PAGE + 1, 0), 1, None)
+        out['out_of_order'] = lib.fr_adopt(st, fd, run(first + PAGE, first + 2 * PAGE, 0) + run(first, first + PAGE, 0), 2, None)
+        out['none'] = lib.fr_adopt(st, fd, b'', 0, None)
         out['left_as_it_was'] = (lib.fr_pattern(st), lib.fr_files(st))
         return out
 
@@ -150,18 +151,31 @@ class Scenario:
         seen['written_after'] = ctypes.string_at(self.page(0), 1)[0]
         return seen
 
+    def prefaulted(self):
+        """In a fork: fr_prefault copies the pages of the pattern's runs (0, 1, 3, 4, 6 of the
+        region, the buffers), the bytes the template's, and no other."""
+        lib, st = self.lib, self.st
+        before = [tr.file_page(self.page(i)) for i in range(7)]
+        n = lib.fr_prefault(st)
+        return {'n': n, 'before': before, 'after': [tr.file_page(self.page(i)) for i in range(7)],
+                'bytes': all(ctypes.string_at(self.page(i), PAGE) == b'\x21' * PAGE for i in range(7)),
+                'bufs': all(b == b'\x07' * len(b) for b in self.bufs)}
+
     def main(self):
         self.remap()  # the template's file (as the zygote's)
         lib, st = self.lib, self.st
         pid, fd, runs, done = self.pattern_child()
         mine = os.open('/proc/%d/fd/%d' % (pid, fd), os.O_RDONLY | os.O_CLOEXEC)
         report = {'refused': self.refusals(mine, runs)}
-        report['adopted'] = lib.fr_adopt(st, mine, runs, len(runs) // RUN)
-        report['again'] = lib.fr_adopt(st, mine, runs, len(runs) // RUN)
+        ahead = ctypes.c_long(-1)
+        report['adopted'] = lib.fr_adopt(st, mine, runs, len(runs) // RUN, ctypes.byref(ahead))
+        report['ahead'] = ahead.value
+        report['again'] = lib.fr_adopt(st, mine, runs, len(runs) // RUN, None)
         report['pattern_index'], report['files'] = lib.fr_pattern(st), lib.fr_files(st)
         report['file_size'] = os.fstat(mine).st_size
         os.close(done)
         os.waitpid(pid, 0)  # (the pattern child gone: its file lives on with our fd)
+        report['prefault'] = tr.in_fork(self.prefaulted)
         status, report['fork'] = tr.in_fork(lambda: self.fork_that_writes(True))
         status2, report['sibling'] = tr.in_fork(lambda: self.fork_that_writes(False))
         report['status'] = (status, status2)
@@ -181,6 +195,13 @@ class PatternTest(unittest.TestCase):
         self.assertGreater(r['file_size'], 0, r)
         self.assertEqual((r['again'], r['pattern_index'], r['files']), (-errno.EEXIST, 1, 2), r)
         self.assertEqual(r['status'], (0, 0), r)
+        status, p = r['prefault']
+        self.assertEqual(status, 0, p)
+        self.assertEqual(p['before'], [True] * 7, r)
+        self.assertEqual(p['after'], [False, False, True, False, False, True, False], 'the pattern\'s pages copied, no other')
+        self.assertGreaterEqual(p['n'], 5 + 2 * 16, r)  # (the region's five and the buffers' pages)
+        self.assertEqual(p['n'], r['ahead'], 'adopt says how many pages a fork copies ahead')
+        self.assertEqual((p['bytes'], p['bufs']), (True, True), 'no byte changed')
         f = r['fork']
         # pages 0, 1, 3, 4: the pattern's now; page 2: its template file's again; all read as written
         self.assertEqual(f['pattern'], [True, True, False, True, True], r)

@@ -135,6 +135,14 @@ export interface ProcessEngineOptions {
    * $FORKLING_PROCESS_RECLAIM=0 turns it off.
    */
   reclaim?: boolean;
+  /**
+   * With reclaim and the template's pattern: each fork copies, in one call per
+   * run, the pages the pattern says a fork writes at its first requests,
+   * before it runs anything (forkling_reclaim.c's fr_prefault), instead of
+   * one write fault each later. Default on; $FORKLING_PROCESS_PREFAULT=0
+   * turns it off (for measuring what it does).
+   */
+  prefault?: boolean;
 }
 
 /** A launched namespace root (zygote or cold-booted sandbox) and what the host holds for it. */
@@ -518,6 +526,7 @@ export class ProcessEngine implements Engine {
   private readonly ksm: boolean;
   private readonly unclaimedForkS: number | undefined;
   private readonly reclaim: boolean;
+  private readonly prefault: boolean;
   /** As root: the host uid (and gid) of the sandboxes' root, the first of 65536 (null without root). */
   private readonly idBase: number | null;
   private closed = false;
@@ -538,6 +547,7 @@ export class ProcessEngine implements Engine {
     }
     this.unclaimedForkS = opts.unclaimedForkS;
     this.reclaim = opts.reclaim ?? process.env.FORKLING_PROCESS_RECLAIM !== '0';
+    this.prefault = opts.prefault ?? process.env.FORKLING_PROCESS_PREFAULT !== '0';
     this.idBase = process.getuid?.() === 0 ? envWhole('FORKLING_PROCESS_ID_BASE', DEFAULT_ID_BASE, 1, 0xffff0000) : null;
     if (this.ksm && ksmRun() !== '1') {
       this.warn(`forkling: KSM sharing asked for, but the host's KSM is not running (/sys/kernel/mm/ksm/run = ${ksmRun() ?? 'absent'}): no effect until it is`);
@@ -588,6 +598,7 @@ export class ProcessEngine implements Engine {
           ...(this.ksm && opts.role === 'zygote' ? ['FORKLING_PROCESS_KSM=1'] : []),
           ...(this.unclaimedForkS !== undefined && opts.role === 'zygote' ? [`FORKLING_PROCESS_UNCLAIMED_S=${this.unclaimedForkS}`] : []),
           ...(this.reclaim && opts.role === 'zygote' ? ['FORKLING_PROCESS_RECLAIM=1'] : []),
+          ...(this.reclaim && !this.prefault && opts.role === 'zygote' ? ['FORKLING_PROCESS_PREFAULT=0'] : []),
         ],
         cgroupProcs: cgroup?.procs ?? [],
         layerSizeMiB: Math.max(64, Math.round(opts.limits.memoryBytes / 2 ** 20)),
