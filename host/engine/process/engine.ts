@@ -55,7 +55,10 @@ const HOLD_SIGNAL = 63;
 /**
  * What a fork writes before the host moves it into its own cgroup is charged
  * to the zygote's, and stays charged there while the fork lives (memory is not
- * moved with a process): 0.9-1.5 MiB per live fork, measured (2026-12-02).
+ * moved with a process): 0.9-1.5 MiB per live fork, measured (2026-12-02);
+ * with the pages it copies ahead (option prefault), 50 forks of the numpy
+ * template: 2.05-2.08 MiB each after their first answer, 0.92 MiB idle (1.63-1.65
+ * and 0.79-0.82 MiB without; 2026-12-03).
  * Between 500 and 600 live forks of a 512 MiB template the zygote's cgroup ran
  * out and the kernel killed processes in it. So its limit is the template's plus, for each
  * fork that may be alive, this much and what a fork copies of the warm-up's
