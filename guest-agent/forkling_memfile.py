@@ -64,13 +64,13 @@ def _load(log):
     except (OSError, AttributeError) as e:
         log('forks will not give back the pages they copied (more memory per child): %s' % e)
         return None
-    for fn in (lib.fr_remap, lib.fr_reclaim, lib.fr_reclaim_wait, lib.fr_state_size, lib.fr_files, lib.fr_fd, lib.fr_pattern, lib.fr_nruns, lib.fr_adopt, lib.fr_prefault):
+    for fn in (lib.fr_remap, lib.fr_reclaim, lib.fr_reclaim_wait, lib.fr_state_size, lib.fr_files, lib.fr_fd, lib.fr_pattern, lib.fr_nruns, lib.fr_adopt, lib.fr_prefault, lib.fr_nwritten):
         fn.restype = ctypes.c_long
-    lib.fr_runs.restype = ctypes.c_void_p
-    for fn in (lib.fr_files, lib.fr_pattern, lib.fr_runs, lib.fr_nruns, lib.fr_prefault):
+    lib.fr_runs.restype = lib.fr_written.restype = ctypes.c_void_p
+    for fn in (lib.fr_files, lib.fr_pattern, lib.fr_runs, lib.fr_nruns, lib.fr_prefault, lib.fr_written, lib.fr_nwritten):
         fn.argtypes = (ctypes.c_void_p,)
     lib.fr_fd.argtypes = (ctypes.c_void_p, ctypes.c_long)
-    lib.fr_adopt.argtypes = (ctypes.c_void_p, ctypes.c_long, ctypes.c_char_p, ctypes.c_long, ctypes.POINTER(ctypes.c_long))
+    lib.fr_adopt.argtypes = (ctypes.c_void_p, ctypes.c_long, ctypes.c_char_p, ctypes.c_long, ctypes.c_char_p, ctypes.c_long, ctypes.POINTER(ctypes.c_long))
     lib.fr_remap.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long)
     lib.fr_reclaim.argtypes = (ctypes.c_void_p, ctypes.c_long)
     lib.fr_reclaim_wait.argtypes = (ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long)
@@ -131,7 +131,8 @@ def _published(n, log):
         STATE['pattern'] = False
         STATE['fds'] = _file_fds()
         STATE['published'] = {'fd': lib.fr_fd(st, lib.fr_files(st) - 1),
-                              'runs': ctypes.string_at(lib.fr_runs(st), lib.fr_nruns(st) * RUN_BYTES)}
+                              'runs': ctypes.string_at(lib.fr_runs(st), lib.fr_nruns(st) * RUN_BYTES),
+                              'written': ctypes.string_at(lib.fr_written(st), lib.fr_nwritten(st) * RUN_BYTES)}
         return True
     STATE['timeouts'] += 1
     if n == -errno.ETIMEDOUT and STATE['timeouts'] < MAX_TIMEOUTS:  # (no file made: the zygote still waits for one)
@@ -142,18 +143,19 @@ def _published(n, log):
     os._exit(1)  # (the zygote sees it gone)
 
 
-def adopt(pid, fd, runs):
+def adopt(pid, fd, runs, written):
     """In the fork server: takes the pattern child `pid`'s file (its fd `fd`,
-    opened again through /proc) and runs (what it published, checked in C); every
-    fork made from here on maps it over its own pages that equal it (fr_reclaim).
+    opened again through /proc), runs and the pages it wrote (what it published,
+    checked in C); every fork made from here on maps it over its own pages that
+    equal it (fr_reclaim).
     Returns the file's length; raises OSError (nothing changed)."""
     if not enabled():
         raise OSError(errno.ENOSYS, 'no template file here (reclaim is off)')
-    if not isinstance(runs, bytes) or len(runs) % RUN_BYTES:
+    if not all(isinstance(r, bytes) and len(r) % RUN_BYTES == 0 for r in (runs, written)):
         raise OSError(errno.EINVAL, 'runs: not a whole number of struct fr_region')
     lib, st = STATE['lib'], STATE['st']
     mine = os.open('/proc/%d/fd/%d' % (pid, fd), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # (never a FIFO's wait)
-    n = lib.fr_adopt(st, mine, runs, len(runs) // RUN_BYTES, None)  # (forks of the Python loop copy nothing ahead)
+    n = lib.fr_adopt(st, mine, runs, len(runs) // RUN_BYTES, written, len(written) // RUN_BYTES, None)  # (forks of the Python loop copy nothing ahead)
     if n < 0:
         os.close(mine)
         raise OSError(-n, os.strerror(-n))

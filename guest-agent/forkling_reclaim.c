@@ -42,6 +42,9 @@ typedef unsigned long u64;
 #define MAX_TIDS 1024
 #define PARK_SIG 64 /* SIGRTMAX: unused by glibc and CPython */
 #define FR_MAX_FILES 4 /* layers: the zygote's, its fork server's (and room) */
+/* The most a fork copies ahead (fr_prefault): the host allows its zygote's cgroup this much more
+ * per fork (host/engine/process/engine.ts's PREFAULT_MAX_BYTES). */
+#define FR_PREFAULT_MAX_PAGES 1024
 
 /* What fr_remap made, in memory of its own (the caller's mmap, which it
  * leaves alone); inherited by forks. */
@@ -58,8 +61,8 @@ struct fr_state {
   long pfile;   /* the pattern's index in f (fr_adopt), valid while np > 0 */
   long np;      /* its runs: where its pages lay in the process that made it */
   struct fr_region p[FR_MAX_REGIONS];
-  long nw;      /* the pages of those runs that the pattern child changed (fr_prefault's; off unused) */
-  struct fr_region w[FR_MAX_REGIONS];
+  long nw;      /* the pages the pattern child wrote (fr_prefault's; off unused): in it, found at */
+  struct fr_region w[FR_MAX_REGIONS]; /* its publish; in the fork server, those of them it maps (fr_adopt) */
 };
 
 long fr_state_size(void) { return sizeof(struct fr_state); }
@@ -69,6 +72,9 @@ long fr_pattern(const struct fr_state *st) { return st->np > 0 ? st->pfile : -1;
 /* The runs of the last fr_remap: (start, end, file offset) each, fr_nruns of them. */
 const struct fr_region *fr_runs(const struct fr_state *st) { return st->r; }
 long fr_nruns(const struct fr_state *st) { return st->nr; }
+/* The pages the pattern child wrote, as runs (start, end, 0), fr_nwritten of them (publish_parked). */
+const struct fr_region *fr_written(const struct fr_state *st) { return st->w; }
+long fr_nwritten(const struct fr_state *st) { return st->nw; }
 
 /* The index of the file of st with this device and inode, or -1. */
 static int file_of(const struct fr_state *st, u64 dev, u64 ino) {
@@ -627,13 +633,15 @@ long fr_remap(struct fr_state *st, char *scratch, long scratch_len, long wait_ms
 
 /* ----------------------------------------------------------- pattern */
 
-/* The pages of the pattern's runs (st->p, np; its file mapped at `pat`) whose bytes differ from
- * this process's at that address, as runs in st->w: what a fork of it writes at its first
- * requests (fr_prefault). Not the rest of the runs: a run joins pages over short gaps, whose
- * bytes the pattern child never changed. Only in mappings remap would take (read-write, private,
- * no flag that forbids our reads), and no guard page: a fork populates nothing else. */
-static void changed_runs(struct fr_state *st, long pat) {
+/* Of the pages the pattern child wrote (`written`, n runs, checked), those
+ * that lie here in a mapping remap would take (read-write, private, no flag
+ * that forbids our reads) and are no guard page, as runs in st->w: what a
+ * fork of this process writes at its first requests, which fr_prefault
+ * copies ahead (the first FR_PREFAULT_MAX_PAGES of them). A fork populates
+ * nothing else. */
+static void mapped_runs(struct fr_state *st, const struct fr_region *written, long n) {
   st->nw = 0;
+  long pages = 0;
   const long len = 32 << 20;
   long buf = S6(NR_mmap, 0, len, 3, 0x22 /* PRIVATE | ANONYMOUS */, -1, 0);
   if (buf < 0 && buf > -4096) return;
@@ -643,22 +651,24 @@ static void changed_runs(struct fr_state *st, long pat) {
   u64 ent;
   long i = 0;
   if (pm >= 0 && read_proc("/proc/thread-self/smaps", smaps, len) > 0) {
-    for (const char *s = smaps; i < st->np && st->nw < FR_MAX_REGIONS && next_mapping(st, &s, &m, 0, 0);) {
-      for (; i < st->np && st->p[i].end <= m.start; i++) {}
-      for (long j = i; m.ok && j < st->np && st->p[j].start < m.end && st->nw < FR_MAX_REGIONS; j++) {
-        const struct fr_region *g = &st->p[j];
-        u64 a = g->start > m.start ? g->start : m.start, b = g->end < m.end ? g->end : m.end;
-        for (u64 q = a; q < b; q += PAGE) {
-          const char *theirs = (const char *)(pat + g->off + (q - g->start));
-          if (pagemap(pm, q, &ent, 1) < 0 || (ent & PM_GUARD) || same_page((const char *)q, theirs)) continue;
+    for (const char *s = smaps; i < n && st->nw < FR_MAX_REGIONS && next_mapping(st, &s, &m, 0, 0);) {
+      for (; i < n && written[i].end <= m.start; i++) {}
+      for (long j = i; m.ok && j < n && written[j].start < m.end; j++) {
+        u64 a = written[j].start > m.start ? written[j].start : m.start, b = written[j].end < m.end ? written[j].end : m.end;
+        for (u64 q = a; q < b && pages < FR_PREFAULT_MAX_PAGES; q += PAGE) {
+          if (pagemap(pm, q, &ent, 1) < 0 || (ent & PM_GUARD)) continue;
           struct fr_region *w = st->nw ? &st->w[st->nw - 1] : 0;
           if (w && w->end == q) {
             w->end += PAGE;
           } else if (st->nw < FR_MAX_REGIONS) {
             st->w[st->nw].start = q;
             st->w[st->nw].end = q + PAGE;
+            st->w[st->nw].off = 0;
             st->nw++;
+          } else {
+            continue;
           }
+          pages++;
         }
       }
     }
@@ -667,32 +677,45 @@ static void changed_runs(struct fr_state *st, long pat) {
   S2(NR_munmap, buf, len);
 }
 
+/* Whether runs are page-aligned, in order, apart, not empty and below 2^56 (and, with
+ * in_file, each inside a file of `size` bytes at its offset). */
+static int runs_ok(const struct fr_region *runs, long n, int in_file, u64 size) {
+  u64 prev = 0;
+  for (long i = 0; i < n; i++) {
+    const struct fr_region *g = &runs[i];
+    if (g->start % PAGE || g->end % PAGE || g->off % PAGE || g->start < prev || g->end <= g->start || g->end > (1UL << 56))
+      return 0;
+    if (in_file && (g->off > size || g->end - g->start > size - g->off)) return 0;
+    prev = g->end;
+  }
+  return 1;
+}
+
 /* In the fork server: takes the pattern, the file a pattern child of the
  * template made with fr_remap (fd: the fork server's own fd of it) after it
  * had answered what every sandbox answers first, and its runs (where those
  * pages lay in it; from that child, so checked here). A fork of the server
  * lays its pages out as the pattern child did, and most of what it writes
  * at first it writes as the pattern child did, byte for byte: fr_reclaim
- * then maps the pattern's page over such a copy. Forks inherit it. Returns
- * the file's length (and in *prefault_pages, unless 0, the pages each fork
- * copies ahead: changed_runs), or -errno with nothing changed. */
-long fr_adopt(struct fr_state *st, long fd, const struct fr_region *runs, long n, long *prefault_pages) {
+ * then maps the pattern's page over such a copy. `written` (nwritten runs,
+ * offsets unused) are the pages the pattern child wrote (fr_written): those
+ * of them mapped here, each fork copies ahead (mapped_runs, fr_prefault).
+ * Forks inherit it. Returns the file's length (and in *prefault_pages,
+ * unless 0, the pages each fork copies ahead), or -errno with nothing
+ * changed. */
+long fr_adopt(struct fr_state *st, long fd, const struct fr_region *runs, long n, const struct fr_region *written,
+              long nwritten, long *prefault_pages) {
   u64 stat[18];
   if (st->np) return -EEXIST;
   if (st->nfiles == FR_MAX_FILES) return -ENOSPC;
-  if (n < 1 || n > FR_MAX_REGIONS) return -EINVAL;
+  if (n < 1 || n > FR_MAX_REGIONS || nwritten < 0 || nwritten > FR_MAX_REGIONS) return -EINVAL;
+  if (!runs_ok(written, nwritten, 0, 0)) return -EINVAL;
   if (S2(NR_fstat, fd, stat) < 0) return -EBADF;
   /* sealed against writes and changes of length: what a fork compared is what it maps, for good */
   long seals = S2(NR_fcntl, fd, 1034 /* F_GET_SEALS */);
   if (seals < 0 || (seals & 15) != 15 /* SEAL | SHRINK | GROW | WRITE */) return -EPERM;
-  u64 size = stat[6], prev = 0;
-  for (long i = 0; i < n; i++) {
-    const struct fr_region *g = &runs[i];
-    if (g->start % PAGE || g->end % PAGE || g->off % PAGE || g->start < prev || g->end <= g->start ||
-        g->end > (1UL << 56) || g->off > size || g->end - g->start > size - g->off)
-      return -EINVAL;
-    prev = g->end;
-  }
+  u64 size = stat[6];
+  if (!runs_ok(runs, n, 1, size)) return -EINVAL;
   /* Mapped here too, read-only, private (no shared mapping for a fork to
    * take over: forkling_inherit), not inherited, every page read: a pattern
    * page that one fork alone maps is then still the server's too (smaps
@@ -708,7 +731,7 @@ long fr_adopt(struct fr_state *st, long fd, const struct fr_region *runs, long n
   st->f[st->nfiles].ino = stat[1];
   st->nfiles++;
   st->np = n;
-  changed_runs(st, a);
+  mapped_runs(st, written, nwritten);
   if (prefault_pages) {
     *prefault_pages = 0;
     for (long i = 0; i < st->nw; i++) *prefault_pages += (long)((st->w[i].end - st->w[i].start) / PAGE);
@@ -717,13 +740,13 @@ long fr_adopt(struct fr_state *st, long fd, const struct fr_region *runs, long n
 }
 
 /* In a new fork, first thing (the fork server's child, one thread, no
- * Python run yet): copies the pages the template's pattern says a fork
- * writes at its first requests (changed_runs), one madvise(MADV_POPULATE_WRITE) per run,
- * instead of one write fault each later. A fault costs an exception and,
+ * Python run yet): copies the pages the template's pattern child wrote
+ * (mapped_runs), which a fork writes at its first requests too, one
+ * madvise(MADV_POPULATE_WRITE) per run, instead of one write fault each
+ * later. A fault costs an exception and,
  * once the fork runs its threads, a TLB flush on the other cores that run
  * them: on a host that is itself a VM without nested paging, each of those
- * is a hypercall. A run not mapped here (the pattern child mapped it later)
- * fails alone. Copies of the template's bytes that the fork never changes
+ * is a hypercall. A run that fails (not mapped here any more) fails alone. Copies of the template's bytes that the fork never changes
  * go back at its first reclaim. Returns the pages copied, or -EINVAL where
  * the kernel has no MADV_POPULATE_WRITE (before 5.14). */
 long fr_prefault(const struct fr_state *st) {
@@ -861,12 +884,51 @@ long fr_reclaim(const struct fr_state *st, long wait_ms) {
 /* The pattern child's publish (publish != 0): gives back its pages equal to
  * the files, then makes the rest a file of its own, a layer (as fr_remap:
  * its fd and runs are then the last in st), all in one park. */
+/* With the others parked, in the pattern child: the pages it wrote (its
+ * own copies, present and exclusive, not a file's page) in the mappings
+ * remap would take, but for st and the scratch, as runs in st->w: before
+ * its reclaim gives back those equal to the files again, which a fork
+ * writes too (a reference count up and down again). */
+static void written_parked(struct fr_state *st, char *scratch, long scratch_len) {
+  u64 ent[512];
+  u64 skip[2][2] = {{(u64)st, (u64)st + sizeof *st}, {(u64)scratch, (u64)scratch + (u64)scratch_len}};
+  st->nw = 0;
+  int pm = (int)S2(NR_open, "/proc/thread-self/pagemap", 0);
+  if (pm < 0 || read_proc("/proc/thread-self/smaps", scratch, scratch_len) <= 0) {
+    if (pm >= 0) S1(NR_close, pm);
+    return;
+  }
+  struct mapping m;
+  for (const char *s = scratch; st->nw < FR_MAX_REGIONS && next_mapping(st, &s, &m, skip, 2);) {
+    if (!m.ok) continue;
+    for (u64 c = m.start; c < m.end; c += 512 * PAGE) {
+      long cnt = (long)((m.end - c) / PAGE < 512 ? (m.end - c) / PAGE : 512);
+      if (pagemap(pm, c, ent, cnt) < 0) break;
+      for (long j = 0; j < cnt; j++) {
+        if ((ent[j] & (PM_PRESENT | PM_FILE | PM_EXCLUSIVE)) != (PM_PRESENT | PM_EXCLUSIVE)) continue;
+        u64 p = c + (u64)j * PAGE;
+        struct fr_region *w = st->nw ? &st->w[st->nw - 1] : 0;
+        if (w && w->end == p) {
+          w->end += PAGE;
+        } else if (st->nw < FR_MAX_REGIONS) {
+          st->w[st->nw].start = p;
+          st->w[st->nw].end = p + PAGE;
+          st->w[st->nw].off = 0;
+          st->nw++;
+        }
+      }
+    }
+  }
+  S1(NR_close, pm);
+}
+
 static long publish_parked(struct fr_state *st) {
   if (st->nfiles == FR_MAX_FILES) return -ENOSPC; /* (checked parked: nothing else changes nfiles meanwhile) */
-  reclaim_parked(st); /* (a failure leaves more pages for the pattern: no harm) */
   const long len = 32 << 20;
   long buf = S6(NR_mmap, 0, len, 3, 0x22 /* PRIVATE | ANONYMOUS */, -1, 0);
   if (buf < 0 && buf > -4096) return buf;
+  written_parked(st, (char *)buf, len);
+  reclaim_parked(st); /* (a failure leaves more pages for the pattern: no harm) */
   long r = remap_parked(st, (char *)buf, len);
   S2(NR_munmap, buf, len);
   return r;
@@ -901,8 +963,9 @@ long fr_prefault(const struct fr_state *st) {
   (void)st;
   return -22; /* EINVAL */
 }
-long fr_adopt(struct fr_state *st, long fd, const struct fr_region *runs, long n, long *prefault_pages) {
-  (void)st, (void)fd, (void)runs, (void)n, (void)prefault_pages;
+long fr_adopt(struct fr_state *st, long fd, const struct fr_region *runs, long n, const struct fr_region *written,
+              long nwritten, long *prefault_pages) {
+  (void)st, (void)fd, (void)runs, (void)n, (void)written, (void)nwritten, (void)prefault_pages;
   return -38;
 }
 long fr_reclaim_wait(struct fr_state *st, long wait_ms, void *fds, long nfds, long publish) {

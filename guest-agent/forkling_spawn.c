@@ -66,7 +66,7 @@ struct fs_serve {
   long ready_timeout_ms; /* how long a child may take to say it is ready */
   long reap_ms;          /* how often an idle server reaps its exited children */
   /* forkling_reclaim's fr_adopt and its state, or 0: the pattern's file (fs_serve's adopt) */
-  long (*adopt)(void *st, long fd, const void *runs, long n, long *prefault_pages);
+  long (*adopt)(void *st, long fd, const void *runs, long n, const void *written, long nw, long *prefault_pages);
   /* forkling_reclaim's fr_prefault, or 0: run in each new child, first thing */
   long (*prefault)(const void *st);
   void *st;
@@ -213,7 +213,8 @@ int fs_spawn(const struct fs_libc *c, int pidns_fd, struct fs_child *children, i
  *
  *   request  u32 length of what follows, u32 kind, then
  *     FS_FORK   u32 n; n times: u8 id length, id, u8 host name length, host name, u8 flags
- *     FS_ADOPT  i32 pid, i32 fd (the pattern child's), u32 n; n struct fr_region (24 bytes)
+ *     FS_ADOPT  i32 pid, i32 fd (the pattern child's), u32 n, u32 nw; n struct fr_region (24 bytes, the
+ *               pattern's runs), nw more (the pages it wrote)
  *   answer   u32 length of what follows, then
  *     FS_FORK   u32 n; n times: i32 pid, i32 status (FS_*), i32 errno, i32 length of text, i64
  *               setup ns, text (the failed call, or what the child said, at most FS_TEXT bytes)
@@ -419,11 +420,11 @@ static long serve_fork(const struct fs_libc *c, struct fs_serve *a, long len) {
 /* One FS_ADOPT request (body: len bytes after the kind): the pattern child's
  * file, opened again through /proc, and its runs, to a->adopt. */
 static long serve_adopt(struct fs_serve *a, long len) {
-  int head[3];
-  long r = len >= 12 ? read_all(a->sock, head, 12) : -EPROTO;
+  int head[4];
+  long r = len >= 16 ? read_all(a->sock, head, 16) : -EPROTO;
   if (r) return r > 0 ? -EPIPE : r;
-  long runs_len = len - 12;
-  if ((unsigned)head[2] > 65536 || runs_len != head[2] * 24L) return -EPROTO;
+  long runs_len = len - 16;
+  if ((unsigned)head[2] > 65536 || (unsigned)head[3] > 65536 || runs_len != ((long)(unsigned)head[2] + (unsigned)head[3]) * 24L) return -EPROTO;
   long size = align(runs_len ? runs_len : 1);
   long m = sc(NR_mmap, 0, size, 3, 0x22, -1, 0);
   if (m < 0 && m > -4096) return m;
@@ -449,7 +450,7 @@ static long serve_adopt(struct fs_serve *a, long len) {
     res = -ENOSYS;
   } else {
     long fd = sc(NR_openat, -100 /* AT_FDCWD */, (long)path, O_CLOEXEC | 04000 /* O_RDONLY | O_NONBLOCK: never a FIFO's wait */, 0, 0, 0);
-    res = fd < 0 ? fd : a->adopt(a->st, fd, (const void *)m, head[2], &pages);
+    res = fd < 0 ? fd : a->adopt(a->st, fd, (const void *)m, head[2], (const char *)m + head[2] * 24L, head[3], &pages);
     if (fd >= 0 && res < 0) sc(NR_close, fd, 0, 0, 0, 0, 0);
   }
   sc(NR_munmap, m, size, 0, 0, 0, 0);

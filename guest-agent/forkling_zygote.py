@@ -415,7 +415,7 @@ def _make_pattern(server):
         with _lock:
             if STATE['server'] is not server:
                 return
-            res = _server_call(_pack_adopt(pid, made['fd'], made['runs']))
+            res = _server_call(_pack_adopt(pid, made['fd'], made['runs'], made['written']))
         res, ahead = struct.unpack('=qq', res) if isinstance(res, bytes) and len(res) == 16 else (res, 0)
         if not isinstance(res, int) or res < 0:
             raise OSError('the fork server did not take it: %s' % (os.strerror(-res) if isinstance(res, int) else res or 'it exited'))
@@ -465,7 +465,8 @@ def _drive_pattern(pid, name):
         f = client.call('eval', code='import time, forkling_memfile as m\nwhile m.STATE["published"] is None: time.sleep(0.01)\n'
                         'm.STATE["published"]', context='forkling-pattern', timeoutMs=int(PATTERN_TIMEOUT_S * 1000))
         made = f.get('value') if f['t'] == 'res' else None
-        if not (isinstance(made, dict) and isinstance(made.get('fd'), int) and isinstance(made.get('runs'), bytes)):
+        if not (isinstance(made, dict) and isinstance(made.get('fd'), int) and isinstance(made.get('runs'), bytes)
+                and isinstance(made.get('written'), bytes)):
             raise OSError('publish: %s' % (made or f.get('message')))
         return made
     finally:
@@ -577,8 +578,8 @@ def _unpack_fork(msg):
     return out
 
 
-def _pack_adopt(pid, fd, runs):
-    return struct.pack('=IiiI', FS_ADOPT, pid, fd, len(runs) // 24) + runs
+def _pack_adopt(pid, fd, runs, written):
+    return struct.pack('=IiiII', FS_ADOPT, pid, fd, len(runs) // 24, len(written) // 24) + runs + written
 
 
 def _pack_answer(results):
@@ -729,12 +730,12 @@ def _serve_in_c(agent, sock):
 
 def _adopt(msg):
     """The Python loop's FS_ADOPT: fr_adopt's result (the file's length, or -errno)."""
-    pid, fd, n = struct.unpack_from('=iiI', msg, 4)
-    runs = msg[16:]
-    if len(runs) != n * 24:
+    pid, fd, n, nw = struct.unpack_from('=iiII', msg, 4)
+    runs, written = msg[20:20 + n * 24], msg[20 + n * 24:]
+    if len(msg) != 20 + (n + nw) * 24:
         return -errno.EPROTO
     try:
-        return forkling_memfile.adopt(pid, fd, runs)
+        return forkling_memfile.adopt(pid, fd, runs, written)
     except OSError as e:
         return -(e.errno or errno.EIO)
 

@@ -2,8 +2,8 @@
 fork of it (the pattern child) writes some pages and makes them a file of
 its own (fr_remap again); the process takes that file (fr_adopt, which
 refuses what is not sealed or whose runs are out of order or past its end);
-a new fork copies the pattern's pages ahead (fr_prefault), its bytes
-unchanged; a later fork that wrote the same bytes to the same pages gets the pattern's
+a new fork copies ahead the pages the pattern child wrote (fr_prefault),
+those it wrote back to the template's bytes too, its bytes unchanged; a later fork that wrote the same bytes to the same pages gets the pattern's
 pages mapped over its copies at reclaim (fr_reclaim), keeps the pages that
 differ, loses no write made while it reclaims, and what it writes after is
 its own; memory made executable since keeps its protection. Needs the built library (npm run build:native); x86-64."""
@@ -25,6 +25,7 @@ import test_reclaim as tr  # noqa: E402
 
 PAGE = tr.PAGE
 RUN = 24  # sizeof(struct fr_region)
+PREFAULT_MAX_PAGES = 1024  # forkling_reclaim.c's FR_PREFAULT_MAX_PAGES
 
 
 def load():
@@ -49,6 +50,7 @@ class Scenario:
 
     def __init__(self):
         self.lib = load()
+        self.big = tr.apart(PREFAULT_MAX_PAGES + 100, 0x33)  # (mapped above the region: after it in address order)
         self.region = tr.apart(8, 0x21)  # (before the state and scratch: a mapping merged with them is left out)
         self.state = mmap.mmap(-1, self.lib.fr_state_size(), flags=mmap.MAP_PRIVATE)
         self.scratch = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE)
@@ -67,48 +69,54 @@ class Scenario:
         ctypes.memset(self.page(i), byte, PAGE)
 
     def pattern_child(self):
-        """Forks the pattern child: pages 0, 1, 3 and 4 of the region and the buffers its own, then
-        its file. Returns (its pid, its fd of the file, the runs, a pipe end that lets it exit)."""
+        """Forks the pattern child: pages 0, 1, 3, 4 and 6 of the region and the buffers its own
+        (page 5 written and written back), then its file. Returns (its pid, its fd of the file,
+        the runs, the pages it wrote, a pipe end that lets it exit)."""
         r, w = os.pipe()
         done_r, done_w = os.pipe()
         pid = os.fork()
         if pid == 0:
             try:
                 os.close(done_w)
-                for i, byte in ((0, 0x41), (1, 0x42), (3, 0x43), (4, 0x44), (6, 0x46)):
+                for i, byte in ((0, 0x41), (1, 0x42), (3, 0x43), (4, 0x44), (5, 0x55), (5, 0x21), (6, 0x46)):
                     self.fill(i, byte)
                 for b in self.bufs:
                     b[:] = b'\x08' * len(b)
+                ctypes.memset(self.big, 0x34, (PREFAULT_MAX_PAGES + 100) * PAGE)
                 lib, st = self.lib, self.st
                 n = lib.fr_reclaim_wait(st, 2000, None, 0, 1)  # (its publish, as in forkling_memfile.when_idle)
                 if n < 0:
                     raise OSError(-n, 'publish: ' + os.strerror(-n))
                 fd = lib.fr_fd(st, lib.fr_files(st) - 1)
                 runs = ctypes.string_at(lib.fr_runs(st), lib.fr_nruns(st) * RUN)
-                os.write(w, repr((fd, runs)).encode())
+                written = ctypes.string_at(lib.fr_written(st), lib.fr_nwritten(st) * RUN)
+                os.write(w, repr((fd, runs, written)).encode())
                 os.read(done_r, 1)
             finally:
                 os._exit(0)
         os.close(w)
         os.close(done_r)
-        fd, runs = eval(os.read(r, 1 << 20).decode())  # noqa: S307 - our own fork's repr
+        fd, runs, written = eval(os.read(r, 1 << 20).decode())  # noqa: S307 - our own fork's repr
         os.close(r)
-        return pid, fd, runs, done_w
+        return pid, fd, runs, written, done_w
 
-    def refusals(self, fd, runs):
+    def refusals(self, fd, runs, written):
         """fr_adopt's checks, each refused with nothing changed."""
         lib, st = self.lib, self.st
         out = {}
         unsealed = os.memfd_create('unsealed', os.MFD_ALLOW_SEALING)
         os.ftruncate(unsealed, 16 * PAGE)
-        out['unsealed'] = lib.fr_adopt(st, unsealed, run(self.region, self.region + PAGE, 0), 1, None)
+        out['unsealed'] = lib.fr_adopt(st, unsealed, run(self.region, self.region + PAGE, 0), 1, b'', 0, None)
         os.close(unsealed)
         size = os.fstat(fd).st_size
         first = int.from_bytes(runs[:8], 'little')
-        out['past_end'] = lib.fr_adopt(st, fd, run(first, first + PAGE, size), 1, None)
-        out['misaligned'] = lib.fr_adopt(st, fd, run(first + 1, first + PAGE + 1, 0), 1, None)
-        out['out_of_order'] = lib.fr_adopt(st, fd, run(first + PAGE, first + 2 * PAGE, 0) + run(first, first + PAGE, 0), 2, None)
-        out['none'] = lib.fr_adopt(st, fd, b'', 0, None)
+        out['past_end'] = lib.fr_adopt(st, fd, run(first, first + PAGE, size), 1, b'', 0, None)
+        out['misaligned'] = lib.fr_adopt(st, fd, run(first + 1, first + PAGE + 1, 0), 1, b'', 0, None)
+        out['out_of_order'] = lib.fr_adopt(st, fd, run(first + PAGE, first + 2 * PAGE, 0) + run(first, first + PAGE, 0), 2, b'', 0, None)
+        out['none'] = lib.fr_adopt(st, fd, b'', 0, b'', 0, None)
+        w1 = int.from_bytes(written[:8], 'little')
+        out['written_out_of_order'] = lib.fr_adopt(st, fd, runs, len(runs) // RUN, run(w1 + PAGE, w1 + 2 * PAGE, 0) + run(w1, w1 + PAGE, 0), 2, None)
+        out['written_misaligned'] = lib.fr_adopt(st, fd, runs, len(runs) // RUN, run(w1 + 8, w1 + PAGE, 0), 1, None)
         out['left_as_it_was'] = (lib.fr_pattern(st), lib.fr_files(st))
         return out
 
@@ -152,7 +160,7 @@ class Scenario:
         return seen
 
     def prefaulted(self):
-        """In a fork: fr_prefault copies the pages of the pattern's runs (0, 1, 3, 4, 6 of the
+        """In a fork: fr_prefault copies the pages the pattern child wrote (0, 1, 3, 4, 5, 6 of the
         region, the buffers), the bytes the template's, and no other."""
         lib, st = self.lib, self.st
         before = [tr.file_page(self.page(i)) for i in range(7)]
@@ -164,13 +172,13 @@ class Scenario:
     def main(self):
         self.remap()  # the template's file (as the zygote's)
         lib, st = self.lib, self.st
-        pid, fd, runs, done = self.pattern_child()
+        pid, fd, runs, written, done = self.pattern_child()
         mine = os.open('/proc/%d/fd/%d' % (pid, fd), os.O_RDONLY | os.O_CLOEXEC)
-        report = {'refused': self.refusals(mine, runs)}
+        report = {'refused': self.refusals(mine, runs, written)}
         ahead = ctypes.c_long(-1)
-        report['adopted'] = lib.fr_adopt(st, mine, runs, len(runs) // RUN, ctypes.byref(ahead))
+        report['adopted'] = lib.fr_adopt(st, mine, runs, len(runs) // RUN, written, len(written) // RUN, ctypes.byref(ahead))
         report['ahead'] = ahead.value
-        report['again'] = lib.fr_adopt(st, mine, runs, len(runs) // RUN, None)
+        report['again'] = lib.fr_adopt(st, mine, runs, len(runs) // RUN, written, len(written) // RUN, None)
         report['pattern_index'], report['files'] = lib.fr_pattern(st), lib.fr_files(st)
         report['file_size'] = os.fstat(mine).st_size
         os.close(done)
@@ -190,7 +198,8 @@ class PatternTest(unittest.TestCase):
         self.assertEqual(done.returncode, 0, done.stderr.decode()[-3000:])
         r = eval(done.stdout.decode())  # noqa: S307 - our own child's repr
         self.assertEqual(r['refused'], {'unsealed': -errno.EPERM, 'past_end': -errno.EINVAL, 'misaligned': -errno.EINVAL,
-                                        'out_of_order': -errno.EINVAL, 'none': -errno.EINVAL, 'left_as_it_was': (-1, 1)}, r)
+                                        'out_of_order': -errno.EINVAL, 'none': -errno.EINVAL, 'written_out_of_order': -errno.EINVAL,
+                                        'written_misaligned': -errno.EINVAL, 'left_as_it_was': (-1, 1)}, r)
         self.assertEqual(r['adopted'], r['file_size'], r)
         self.assertGreater(r['file_size'], 0, r)
         self.assertEqual((r['again'], r['pattern_index'], r['files']), (-errno.EEXIST, 1, 2), r)
@@ -198,8 +207,8 @@ class PatternTest(unittest.TestCase):
         status, p = r['prefault']
         self.assertEqual(status, 0, p)
         self.assertEqual(p['before'], [True] * 7, r)
-        self.assertEqual(p['after'], [False, False, True, False, False, True, False], 'the pattern\'s pages copied, no other')
-        self.assertGreaterEqual(p['n'], 5 + 2 * 16, r)  # (the region's five and the buffers' pages)
+        self.assertEqual(p['after'], [False, False, True, False, False, False, False], 'the pages the pattern child wrote copied, no other')
+        self.assertEqual(p['n'], PREFAULT_MAX_PAGES, 'no more than FR_PREFAULT_MAX_PAGES (the pattern child wrote more)')
         self.assertEqual(p['n'], r['ahead'], 'adopt says how many pages a fork copies ahead')
         self.assertEqual((p['bytes'], p['bufs']), (True, True), 'no byte changed')
         f = r['fork']

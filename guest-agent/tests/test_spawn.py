@@ -222,7 +222,7 @@ class ServeTest(unittest.TestCase):
             self.assertGreater(r['setupMs'], 0)
         again = self.ask(sock, [{'id': 'ok-d', 'hostname': 'delta'}])  # (the loop goes on)
         self.assertTrue(again[0]['ok'], again)
-        z._send_msg(sock, z._pack_adopt(1, 3, b''))  # (no fr_adopt given: refused)
+        z._send_msg(sock, z._pack_adopt(1, 3, b'', b''))  # (no fr_adopt given: refused)
         self.assertEqual(struct.unpack('=qq', z._recv_msg(sock)), (-errno.ENOSYS, 0))
         sock.shutdown(socket.SHUT_WR)
         _, status = os.waitpid(pid, 0)

@@ -56,9 +56,9 @@ const HOLD_SIGNAL = 63;
  * What a fork writes before the host moves it into its own cgroup is charged
  * to the zygote's, and stays charged there while the fork lives (memory is not
  * moved with a process): 0.9-1.5 MiB per live fork, measured (2026-12-02);
- * with the pages it copies ahead (option prefault), 50 forks of the numpy
- * template: 2.05-2.08 MiB each after their first answer, 0.92 MiB idle (1.63-1.65
- * and 0.79-0.82 MiB without; 2026-12-03).
+ * 1.65 MiB after its first answer, 0.82 MiB idle (50 forks of the numpy
+ * template, 2026-12-03). With the pages it copies ahead (option prefault, at
+ * most PREFAULT_MAX_BYTES: ~2 MiB for that template), 2.6 and 0.93 MiB.
  * Between 500 and 600 live forks of a 512 MiB template the zygote's cgroup ran
  * out and the kernel killed processes in it. So its limit is the template's plus, for each
  * fork that may be alive, this much and what a fork copies of the warm-up's
@@ -67,6 +67,8 @@ const HOLD_SIGNAL = 63;
  * user has made).
  */
 const FORK_SETUP_BYTES = 3 * 2 ** 20;
+/** The most a fork copies ahead (guest-agent/forkling_reclaim.c's FR_PREFAULT_MAX_PAGES). */
+const PREFAULT_MAX_BYTES = 4 * 2 ** 20;
 /**
  * The bytes of the files under `dir` (sandbox-made: entries are lstat'ed, no
  * link is followed; at most 100,000 of them), 0 where it cannot be read.
@@ -140,8 +142,8 @@ export interface ProcessEngineOptions {
   reclaim?: boolean;
   /**
    * With reclaim and the template's pattern: each fork copies, in one call per
-   * run, the pages the pattern says a fork writes at its first requests,
-   * before it runs anything (forkling_reclaim.c's fr_prefault), instead of
+   * run, the pages the pattern child wrote (a fork writes them at its first
+   * requests too), before it runs anything (forkling_reclaim.c's fr_prefault), instead of
    * one write fault each later. Default on; $FORKLING_PROCESS_PREFAULT=0
    * turns it off (for measuring what it does).
    */
@@ -1117,11 +1119,12 @@ export class ProcessEngine implements Engine {
     }
   }
 
-  /** Raises the zygote's memory limit for `n` more forks (FORK_SETUP_BYTES each) beside those alive now. */
+  /** Raises the zygote's memory limit for `n` more forks (FORK_SETUP_BYTES each, and what each copies ahead) beside those alive now. */
   private forkAllowance(z: Zygote, n: number): void {
     if (!z.cgroup) return;
     const live = [...this.sandboxes, ...this.holding].filter((s) => s.zygote === z).length + z.spares.length;
-    const want = z.limits.memoryBytes + (live + n + 1) * (FORK_SETUP_BYTES + z.shmBytes); // (+1: the template's pattern child)
+    const perFork = FORK_SETUP_BYTES + (this.reclaim && this.prefault ? PREFAULT_MAX_BYTES : 0) + z.shmBytes;
+    const want = z.limits.memoryBytes + (live + n + 1) * perFork; // (+1: the template's pattern child)
     if (want <= z.memoryLimit) return;
     try {
       this.cgroups.setMemoryLimit(z.cgroup, want);
