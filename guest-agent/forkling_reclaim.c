@@ -633,6 +633,22 @@ long fr_remap(struct fr_state *st, char *scratch, long scratch_len, long wait_ms
 
 /* ----------------------------------------------------------- pattern */
 
+/* Adds page p to st->w, to its last run where p follows it; 0 when full. */
+static int add_written(struct fr_state *st, u64 p) {
+  struct fr_region *w = st->nw ? &st->w[st->nw - 1] : 0;
+  if (w && w->end == p) {
+    w->end += PAGE;
+  } else if (st->nw < FR_MAX_REGIONS) {
+    st->w[st->nw].start = p;
+    st->w[st->nw].end = p + PAGE;
+    st->w[st->nw].off = 0;
+    st->nw++;
+  } else {
+    return 0;
+  }
+  return 1;
+}
+
 /* Of the pages the pattern child wrote (`written`, n runs, checked), those
  * that lie here in a mapping remap would take (read-write, private, no flag
  * that forbids our reads) and are no guard page, as runs in st->w: what a
@@ -657,18 +673,7 @@ static void mapped_runs(struct fr_state *st, const struct fr_region *written, lo
         u64 a = written[j].start > m.start ? written[j].start : m.start, b = written[j].end < m.end ? written[j].end : m.end;
         for (u64 q = a; q < b && pages < FR_PREFAULT_MAX_PAGES; q += PAGE) {
           if (pagemap(pm, q, &ent, 1) < 0 || (ent & PM_GUARD)) continue;
-          struct fr_region *w = st->nw ? &st->w[st->nw - 1] : 0;
-          if (w && w->end == q) {
-            w->end += PAGE;
-          } else if (st->nw < FR_MAX_REGIONS) {
-            st->w[st->nw].start = q;
-            st->w[st->nw].end = q + PAGE;
-            st->w[st->nw].off = 0;
-            st->nw++;
-          } else {
-            continue;
-          }
-          pages++;
+          pages += add_written(st, q);
         }
       }
     }
@@ -906,16 +911,7 @@ static void written_parked(struct fr_state *st, char *scratch, long scratch_len)
       if (pagemap(pm, c, ent, cnt) < 0) break;
       for (long j = 0; j < cnt; j++) {
         if ((ent[j] & (PM_PRESENT | PM_FILE | PM_EXCLUSIVE)) != (PM_PRESENT | PM_EXCLUSIVE)) continue;
-        u64 p = c + (u64)j * PAGE;
-        struct fr_region *w = st->nw ? &st->w[st->nw - 1] : 0;
-        if (w && w->end == p) {
-          w->end += PAGE;
-        } else if (st->nw < FR_MAX_REGIONS) {
-          st->w[st->nw].start = p;
-          st->w[st->nw].end = p + PAGE;
-          st->w[st->nw].off = 0;
-          st->nw++;
-        }
+        add_written(st, c + (u64)j * PAGE);
       }
     }
   }
