@@ -23,7 +23,7 @@ import errno
 import mmap
 import os
 
-VERSION = 4  # forkling_reclaim.c's FR_VERSION
+VERSION = 5  # forkling_reclaim.c's FR_VERSION
 WAIT_MS = 200  # how long the other threads have to park
 SCRATCH = 32 << 20  # room for /proc/thread-self/smaps
 STATE = {
@@ -37,7 +37,7 @@ STATE = {
     'quiet': 0,       # quiet ticks in a row, idle
     'tick_jitter_ms': 0,  # how much longer this fork's ticks are (after_fork: TICK_JITTER_MS)
     'pattern': False,  # the template's pattern child (forkling_zygote._make_pattern): publishes, once
-    'published': None,  # ... what it made there: {'fd', 'runs'} (_published)
+    'published': None,  # ... what it made there: {'fd', 'runs', 'written'} (_published)
 }
 MAX_TIMEOUTS = 3
 # Quiet ticks (0.5-1.25 s each: forkling_zygote.REAP_INTERVAL_MS plus jitter) before a reclaim: 2-5 s idle. Not sooner: a reclaim costs the CPU of a
@@ -61,9 +61,15 @@ def _load(log):
         lib = ctypes.CDLL(path)
         if lib.fr_version() != VERSION:
             raise OSError('%s is version %d, not %d: rebuild it (npm run build:native)' % (path, lib.fr_version(), VERSION))
+        _declare(lib)
     except (OSError, AttributeError) as e:
         log('forks will not give back the pages they copied (more memory per child): %s' % e)
         return None
+    return lib
+
+
+def _declare(lib):
+    """The types of the library's functions (AttributeError: one is missing)."""
     for fn in (lib.fr_remap, lib.fr_reclaim, lib.fr_reclaim_wait, lib.fr_state_size, lib.fr_files, lib.fr_fd, lib.fr_pattern, lib.fr_nruns, lib.fr_adopt, lib.fr_prefault, lib.fr_nwritten):
         fn.restype = ctypes.c_long
     lib.fr_runs.restype = lib.fr_written.restype = ctypes.c_void_p
@@ -74,7 +80,6 @@ def _load(log):
     lib.fr_remap.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long)
     lib.fr_reclaim.argtypes = (ctypes.c_void_p, ctypes.c_long)
     lib.fr_reclaim_wait.argtypes = (ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_long, ctypes.c_long)
-    return lib
 
 
 def remap(log, who='template'):

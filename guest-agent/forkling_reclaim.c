@@ -33,7 +33,7 @@
  * process engine's seccomp filter.
  */
 
-#define FR_VERSION 4
+#define FR_VERSION 5
 int fr_version(void) { return FR_VERSION; }
 
 typedef unsigned long u64;
@@ -61,8 +61,11 @@ struct fr_state {
   long pfile;   /* the pattern's index in f (fr_adopt), valid while np > 0 */
   long np;      /* its runs: where its pages lay in the process that made it */
   struct fr_region p[FR_MAX_REGIONS];
-  long nw;      /* the pages the pattern child wrote (fr_prefault's; off unused): in it, found at */
-  struct fr_region w[FR_MAX_REGIONS]; /* its publish; in the fork server, those of them it maps (fr_adopt) */
+  /* Pages as runs (off unused). In the pattern child, every page it wrote (written_parked, at its
+   * publish); in the fork server and its forks, those of them a fork copies ahead (fr_adopt's
+   * mapped_runs: mapped there, at most FR_PREFAULT_MAX_PAGES). */
+  long nw;
+  struct fr_region w[FR_MAX_REGIONS];
 };
 
 long fr_state_size(void) { return sizeof(struct fr_state); }
@@ -72,7 +75,7 @@ long fr_pattern(const struct fr_state *st) { return st->np > 0 ? st->pfile : -1;
 /* The runs of the last fr_remap: (start, end, file offset) each, fr_nruns of them. */
 const struct fr_region *fr_runs(const struct fr_state *st) { return st->r; }
 long fr_nruns(const struct fr_state *st) { return st->nr; }
-/* The pages the pattern child wrote, as runs (start, end, 0), fr_nwritten of them (publish_parked). */
+/* In the pattern child, after its publish: the pages it wrote, as runs (start, end, 0), fr_nwritten of them. */
 const struct fr_region *fr_written(const struct fr_state *st) { return st->w; }
 long fr_nwritten(const struct fr_state *st) { return st->nw; }
 
@@ -655,19 +658,23 @@ static int add_written(struct fr_state *st, u64 p) {
  * fork of this process writes at its first requests, which fr_prefault
  * copies ahead (the first FR_PREFAULT_MAX_PAGES of them). A fork populates
  * nothing else. */
-static void mapped_runs(struct fr_state *st, const struct fr_region *written, long n) {
+static void mapped_runs(struct fr_state *st, const struct fr_region *runs, long nruns, const struct fr_region *written, long n) {
   st->nw = 0;
   long pages = 0;
   const long len = 32 << 20;
   long buf = S6(NR_mmap, 0, len, 3, 0x22 /* PRIVATE | ANONYMOUS */, -1, 0);
   if (buf < 0 && buf > -4096) return;
+  /* Not the memory of this call and its caller, mapped since the pattern child was forked, maybe
+   * where it had its threads' stacks (a fork would copy there what it maps then, if anything). */
+  u64 skip[4][2] = {{(u64)st, (u64)st + sizeof *st}, {(u64)buf, (u64)buf + (u64)len},
+                    {(u64)runs, (u64)(runs + nruns)}, {(u64)written, (u64)(written + n)}};
   char *smaps = (char *)buf;
   int pm = (int)S2(NR_open, "/proc/thread-self/pagemap", 0);
   struct mapping m;
   u64 ent;
   long i = 0;
   if (pm >= 0 && read_proc("/proc/thread-self/smaps", smaps, len) > 0) {
-    for (const char *s = smaps; i < n && st->nw < FR_MAX_REGIONS && next_mapping(st, &s, &m, 0, 0);) {
+    for (const char *s = smaps; i < n && st->nw < FR_MAX_REGIONS && next_mapping(st, &s, &m, skip, 4);) {
       for (; i < n && written[i].end <= m.start; i++) {}
       for (long j = i; m.ok && j < n && written[j].start < m.end; j++) {
         u64 a = written[j].start > m.start ? written[j].start : m.start, b = written[j].end < m.end ? written[j].end : m.end;
@@ -682,7 +689,7 @@ static void mapped_runs(struct fr_state *st, const struct fr_region *written, lo
   S2(NR_munmap, buf, len);
 }
 
-/* Whether runs are page-aligned, in order, apart, not empty and below 2^56 (and, with
+/* Whether runs are page-aligned, in order, not overlapping, not empty and below 2^56 (and, with
  * in_file, each inside a file of `size` bytes at its offset). */
 static int runs_ok(const struct fr_region *runs, long n, int in_file, u64 size) {
   u64 prev = 0;
@@ -736,7 +743,9 @@ long fr_adopt(struct fr_state *st, long fd, const struct fr_region *runs, long n
   st->f[st->nfiles].ino = stat[1];
   st->nfiles++;
   st->np = n;
-  mapped_runs(st, written, nwritten);
+  mapped_runs(st, runs, n, written, nwritten);
+  /* a kernel without MADV_POPULATE_WRITE (before 5.14): nothing to copy ahead (st: ours, written) */
+  if (st->nw && S3(NR_madvise, (u64)st & ~(PAGE - 1), PAGE, 23) == -EINVAL) st->nw = 0;
   if (prefault_pages) {
     *prefault_pages = 0;
     for (long i = 0; i < st->nw; i++) *prefault_pages += (long)((st->w[i].end - st->w[i].start) / PAGE);
@@ -886,9 +895,6 @@ long fr_reclaim(const struct fr_state *st, long wait_ms) {
   return run_parked(DO_RECLAIM, (struct fr_state *)st, 0, 0, wait_ms); /* (reclaim_parked writes nothing in st) */
 }
 
-/* The pattern child's publish (publish != 0): gives back its pages equal to
- * the files, then makes the rest a file of its own, a layer (as fr_remap:
- * its fd and runs are then the last in st), all in one park. */
 /* With the others parked, in the pattern child: the pages it wrote (its
  * own copies, present and exclusive, not a file's page) in the mappings
  * remap would take, but for st and the scratch, as runs in st->w: before
@@ -918,6 +924,10 @@ static void written_parked(struct fr_state *st, char *scratch, long scratch_len)
   S1(NR_close, pm);
 }
 
+/* The pattern child's publish (publish != 0): notes the pages it wrote
+ * (written_parked), gives back its pages equal to the files, then makes
+ * the rest a file of its own, a layer (as fr_remap: its fd and runs are
+ * then the last in st), all in one park. */
 static long publish_parked(struct fr_state *st) {
   if (st->nfiles == FR_MAX_FILES) return -ENOSPC; /* (checked parked: nothing else changes nfiles meanwhile) */
   const long len = 32 << 20;

@@ -342,7 +342,7 @@ static long serve_fork(const struct fs_libc *c, struct fs_serve *a, long len) {
   int i = fs_spawn(c, a->pidns_fd, kids, (int)n, a->steps, (int)a->nsteps);
   if (i >= 0) { /* the child: what it needs, then no copy of the request (the server rewrites it) */
     struct fs_child *k = &kids[i];
-    if (a->prefault) a->prefault(a->st); /* (while it has one thread: see fr_prefault) */
+    if (a->prefault && k->step_failed < 0) a->prefault(a->st); /* (while it has one thread: see fr_prefault) */
     a->index = i;
     a->flags = k->flags;
     a->ready_w = k->ready_w;

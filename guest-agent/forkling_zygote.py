@@ -431,13 +431,13 @@ def _make_pattern(server):
     if why is not None:
         _agent_mod.log('no pattern for this template\'s forks (more memory per fork): %s' % why)
     else:
-        _agent_mod.log('pattern for forks: %d KiB in %.0f ms; each fork copies %d KiB of it ahead'
+        _agent_mod.log('pattern for forks: %d KiB in %.0f ms; each fork copies %d KiB ahead'
                        % (res >> 10, (time.monotonic() - t0) * 1000, ahead * 4 if _prefaults() else 0))
 
 
 def _prefaults():
-    """Whether the fork server's forks copy the pattern's pages ahead (forkling_reclaim's
-    fr_prefault; the engine's option prefault)."""
+    """Whether the fork server's forks copy ahead the pages the pattern child wrote
+    (forkling_reclaim's fr_prefault; the engine's option prefault; the C loop only)."""
     return forkling_memfile.enabled() and os.environ.get('FORKLING_PROCESS_PREFAULT') != '0'
 
 
@@ -465,8 +465,8 @@ def _drive_pattern(pid, name):
         f = client.call('eval', code='import time, forkling_memfile as m\nwhile m.STATE["published"] is None: time.sleep(0.01)\n'
                         'm.STATE["published"]', context='forkling-pattern', timeoutMs=int(PATTERN_TIMEOUT_S * 1000))
         made = f.get('value') if f['t'] == 'res' else None
-        if not (isinstance(made, dict) and isinstance(made.get('fd'), int) and isinstance(made.get('runs'), bytes)
-                and isinstance(made.get('written'), bytes)):
+        if not (isinstance(made, dict) and isinstance(made.get('fd'), int)
+                and all(isinstance(made.get(k), bytes) and len(made[k]) % 24 == 0 for k in ('runs', 'written'))):
             raise OSError('publish: %s' % (made or f.get('message')))
         return made
     finally:

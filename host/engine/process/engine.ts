@@ -61,7 +61,7 @@ const HOLD_SIGNAL = 63;
  * most PREFAULT_MAX_BYTES: ~2 MiB for that template), 2.6 and 0.93 MiB.
  * Between 500 and 600 live forks of a 512 MiB template the zygote's cgroup ran
  * out and the kernel killed processes in it. So its limit is the template's plus, for each
- * fork that may be alive, this much and what a fork copies of the warm-up's
+ * fork that may be alive, this much, PREFAULT_MAX_BYTES (with prefault) and what a fork copies of the warm-up's
  * /dev/shm (raised before each request, never lowered: what the warm-up's own
  * threads could take beyond the template's limit is bounded by the forks the
  * user has made).
