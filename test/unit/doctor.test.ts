@@ -4,7 +4,7 @@
 import { spawnSync } from 'node:child_process';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
-import { cgroupMoveCheck, kvmDebugfsCheck } from '../../host/doctor/checks.ts';
+import { cgroupMoveCheck, kernelCheck, kvmDebugfsCheck } from '../../host/doctor/checks.ts';
 import { probeKvm } from '../../host/doctor/kvm-probe.ts';
 
 const env = { ...process.env };
@@ -74,6 +74,18 @@ test("cgroup moves: favordynmods on any cgroup mount passes; off, a warning name
   const spaced = cgroupMoveCheck('31 1 0:27 / /mnt/my\\040cg rw - cgroup2 cgroup2 rw,favordynmods');
   assert.match(spaced.detail, '/mnt/my cg');
   assert.is(cgroupMoveCheck('22 1 0:5 / /proc rw - proc proc rw').status, 'pass');
+});
+
+test('host kernel: 5.14 or newer passes; 5.10-5.13 warns that forks copy nothing ahead; older warns untested', () => {
+  assert.is(kernelCheck('6.18.44-fc-v1252').status, 'pass');
+  assert.is(kernelCheck('5.14.0-1-amd64').status, 'pass');
+  const noPopulate = kernelCheck('5.10.0-30-amd64');
+  assert.is(noPopulate.status, 'warn');
+  assert.match(noPopulate.detail, 'MADV_POPULATE_WRITE');
+  assert.match(noPopulate.fix ?? '', '5.14');
+  const old = kernelCheck('4.19.0');
+  assert.is(old.status, 'warn');
+  assert.match(old.detail, 'older than 5.10');
 });
 
 test('KVM debugfs: on, a warning says what it costs per sandbox and how to turn it off; off passes', () => {
