@@ -116,6 +116,11 @@ def remap(log, who='template'):
 RUN_BYTES = 24  # a struct fr_region: start, end, file offset
 
 
+def whole_runs(x):
+    """Whether x is bytes holding a whole number of struct fr_region."""
+    return isinstance(x, bytes) and len(x) % RUN_BYTES == 0
+
+
 def enabled():
     return STATE['lib'] is not None and STATE['st'] is not None
 
@@ -156,7 +161,7 @@ def adopt(pid, fd, runs, written):
     Returns the file's length; raises OSError (nothing changed)."""
     if not enabled():
         raise OSError(errno.ENOSYS, 'no template file here (reclaim is off)')
-    if not all(isinstance(r, bytes) and len(r) % RUN_BYTES == 0 for r in (runs, written)):
+    if not (whole_runs(runs) and whole_runs(written)):
         raise OSError(errno.EINVAL, 'runs: not a whole number of struct fr_region')
     lib, st = STATE['lib'], STATE['st']
     mine = os.open('/proc/%d/fd/%d' % (pid, fd), os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # (never a FIFO's wait)

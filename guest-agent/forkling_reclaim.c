@@ -657,13 +657,13 @@ static int add_written(struct fr_state *st, u64 p) {
  * that forbids our reads) and are no guard page, as runs in st->w: what a
  * fork of this process writes at its first requests, which fr_prefault
  * copies ahead (the first FR_PREFAULT_MAX_PAGES of them). A fork populates
- * nothing else. */
-static void mapped_runs(struct fr_state *st, const struct fr_region *runs, long nruns, const struct fr_region *written, long n) {
+ * nothing else. Returns how many pages that is. */
+static long mapped_runs(struct fr_state *st, const struct fr_region *runs, long nruns, const struct fr_region *written, long n) {
   st->nw = 0;
   long pages = 0;
   const long len = 32 << 20;
   long buf = S6(NR_mmap, 0, len, 3, 0x22 /* PRIVATE | ANONYMOUS */, -1, 0);
-  if (buf < 0 && buf > -4096) return;
+  if (buf < 0 && buf > -4096) return 0;
   /* Not the memory of this call and its caller, mapped since the pattern child was forked, maybe
    * where it had its threads' stacks (a fork would copy there what it maps then, if anything). */
   u64 skip[4][2] = {{(u64)st, (u64)st + sizeof *st}, {(u64)buf, (u64)buf + (u64)len},
@@ -687,6 +687,7 @@ static void mapped_runs(struct fr_state *st, const struct fr_region *runs, long 
   }
   if (pm >= 0) S1(NR_close, pm);
   S2(NR_munmap, buf, len);
+  return pages;
 }
 
 /* Whether runs are page-aligned, in order, not overlapping, not empty and below 2^56 (and, with
@@ -743,13 +744,10 @@ long fr_adopt(struct fr_state *st, long fd, const struct fr_region *runs, long n
   st->f[st->nfiles].ino = stat[1];
   st->nfiles++;
   st->np = n;
-  mapped_runs(st, runs, n, written, nwritten);
+  long pages = mapped_runs(st, runs, n, written, nwritten);
   /* a kernel without MADV_POPULATE_WRITE (before 5.14): nothing to copy ahead (st: ours, written) */
-  if (st->nw && S3(NR_madvise, (u64)st & ~(PAGE - 1), PAGE, 23) == -EINVAL) st->nw = 0;
-  if (prefault_pages) {
-    *prefault_pages = 0;
-    for (long i = 0; i < st->nw; i++) *prefault_pages += (long)((st->w[i].end - st->w[i].start) / PAGE);
-  }
+  if (st->nw && S3(NR_madvise, (u64)st & ~(PAGE - 1), PAGE, 23) == -EINVAL) st->nw = pages = 0;
+  if (prefault_pages) *prefault_pages = pages;
   return (long)size;
 }
 
@@ -757,12 +755,13 @@ long fr_adopt(struct fr_state *st, long fd, const struct fr_region *runs, long n
  * Python run yet): copies the pages the template's pattern child wrote
  * (mapped_runs), which a fork writes at its first requests too, one
  * madvise(MADV_POPULATE_WRITE) per run, instead of one write fault each
- * later. A fault costs an exception and,
- * once the fork runs its threads, a TLB flush on the other cores that run
- * them: on a host that is itself a VM without nested paging, each of those
- * is a hypercall. A run that fails (not mapped here any more) fails alone. Copies of the template's bytes that the fork never changes
- * go back at its first reclaim. Returns the pages copied, or -EINVAL where
- * the kernel has no MADV_POPULATE_WRITE (before 5.14). */
+ * later. A fault costs an exception and, once the fork runs its threads, a
+ * TLB flush on the other cores that run them: on a host that is itself a VM
+ * without nested paging, each of those is a hypercall. A run that fails (not
+ * mapped here any more) fails alone. Copies of the template's bytes that
+ * the fork never changes go back at its first reclaim. Returns the pages
+ * copied, or -EINVAL where the kernel has no MADV_POPULATE_WRITE (before
+ * 5.14). */
 long fr_prefault(const struct fr_state *st) {
   long n = 0;
   for (long i = 0; i < st->nw; i++) {

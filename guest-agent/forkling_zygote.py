@@ -466,7 +466,7 @@ def _drive_pattern(pid, name):
                         'm.STATE["published"]', context='forkling-pattern', timeoutMs=int(PATTERN_TIMEOUT_S * 1000))
         made = f.get('value') if f['t'] == 'res' else None
         if not (isinstance(made, dict) and isinstance(made.get('fd'), int)
-                and all(isinstance(made.get(k), bytes) and len(made[k]) % 24 == 0 for k in ('runs', 'written'))):
+                and forkling_memfile.whole_runs(made.get('runs')) and forkling_memfile.whole_runs(made.get('written'))):
             raise OSError('publish: %s' % (made or f.get('message')))
         return made
     finally:

@@ -552,7 +552,7 @@ export class ProcessEngine implements Engine {
     }
     this.unclaimedForkS = opts.unclaimedForkS;
     this.reclaim = opts.reclaim ?? process.env.FORKLING_PROCESS_RECLAIM !== '0';
-    this.prefault = opts.prefault ?? process.env.FORKLING_PROCESS_PREFAULT !== '0';
+    this.prefault = this.reclaim && (opts.prefault ?? process.env.FORKLING_PROCESS_PREFAULT !== '0'); // (it takes the pattern: reclaim's)
     this.idBase = process.getuid?.() === 0 ? envWhole('FORKLING_PROCESS_ID_BASE', DEFAULT_ID_BASE, 1, 0xffff0000) : null;
     if (this.ksm && ksmRun() !== '1') {
       this.warn(`forkling: KSM sharing asked for, but the host's KSM is not running (/sys/kernel/mm/ksm/run = ${ksmRun() ?? 'absent'}): no effect until it is`);
@@ -1123,7 +1123,7 @@ export class ProcessEngine implements Engine {
   private forkAllowance(z: Zygote, n: number): void {
     if (!z.cgroup) return;
     const live = [...this.sandboxes, ...this.holding].filter((s) => s.zygote === z).length + z.spares.length;
-    const perFork = FORK_SETUP_BYTES + (this.reclaim && this.prefault ? PREFAULT_MAX_BYTES : 0) + z.shmBytes;
+    const perFork = FORK_SETUP_BYTES + (this.prefault ? PREFAULT_MAX_BYTES : 0) + z.shmBytes;
     const want = z.limits.memoryBytes + (live + n + 1) * perFork; // (+1: the template's pattern child)
     if (want <= z.memoryLimit) return;
     try {
