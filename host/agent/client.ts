@@ -131,10 +131,10 @@ export class AgentClient {
     stream.on('drain', () => {
       for (const w of this.drainWaiters.splice(0)) w();
     });
-    stream.on('error', (e: Error) => this.onClosed(new AgentError('closed', `connection to the agent failed: ${e.message}`)));
-    stream.on('close', () => this.onClosed(new AgentError('closed', 'connection to the agent closed')));
+    stream.on('error', (e: Error) => this.streamEnded(new AgentError('closed', `connection to the agent failed: ${e.message}`)));
+    stream.on('close', () => this.streamEnded(new AgentError('closed', 'connection to the agent closed')));
     stream.on('end', () => {
-      this.onClosed(new AgentError('closed', 'the agent closed the connection'));
+      this.streamEnded(new AgentError('closed', 'the agent closed the connection'));
       stream.end();
     });
   }
@@ -156,6 +156,24 @@ export class AgentClient {
       const i = this.idleListeners.indexOf(fn);
       if (i >= 0) this.idleListeners.splice(i, 1);
     };
+  }
+
+  private explainEnd: (() => void) | null = null;
+  /**
+   * Calls `fn` when the stream ends on its own, before requests in flight are
+   * rejected: an owner that knows why (a VM that stopped) can close() with
+   * that reason first, rather than them reading "connection closed".
+   */
+  onStreamEnd(fn: () => void): void {
+    this.explainEnd = fn;
+  }
+
+  private streamEnded(err: AgentError): void {
+    if (this.closeError) return;
+    try {
+      this.explainEnd?.();
+    } catch {} // (the plain reason then)
+    this.onClosed(err);
   }
 
   /** Closes the stream; pending requests reject with code 'closed' and `why` (default: closed by the client). */

@@ -145,6 +145,7 @@ class VmWrap : public Napi::ObjectWrap<VmWrap> {
                        {InstanceMethod("start", &VmWrap::Start), InstanceMethod("pause", &VmWrap::Pause),
                         InstanceMethod("resume", &VmWrap::Resume), InstanceMethod("kill", &VmWrap::Kill),
                         InstanceMethod("stats", &VmWrap::Stats), InstanceMethod("debugState", &VmWrap::DebugState),
+                        InstanceMethod("flushEvents", &VmWrap::FlushEvents),
                         // Snapshots (snapshot_binding.cc).
                         InstanceMethod("saveTemplate", &VmWrap::SaveTemplate),
                         InstanceMethod("branch", &VmWrap::Branch),
@@ -164,6 +165,7 @@ class VmWrap : public Napi::ObjectWrap<VmWrap> {
     // A VM already created and restored off the JS thread (snapshot.prepareVms).
     if (!o.Get("prepared").IsUndefined()) {
       std::unique_ptr<PreparedVm> p = TakePreparedVm(o.Get("prepared"));
+      on_events_ = Napi::Persistent(info[1].As<Napi::Function>());
       events_ = std::make_shared<EventQueue>();
       events_->self_ = events_;
       events_->Init(Napi::ThreadSafeFunction::New(env, info[1].As<Napi::Function>(), "forkling-vm-events", 0, 1));
@@ -197,6 +199,7 @@ class VmWrap : public Napi::ObjectWrap<VmWrap> {
     Napi::Value rng = o.Get("rng");
     cfg.rng = rng.IsUndefined() ? true : rng.ToBoolean().Value();
 
+    on_events_ = Napi::Persistent(info[1].As<Napi::Function>());
     events_ = std::make_shared<EventQueue>();
     events_->self_ = events_;
     events_->Init(Napi::ThreadSafeFunction::New(env, info[1].As<Napi::Function>(), "forkling-vm-events", 0, 1));
@@ -224,6 +227,14 @@ class VmWrap : public Napi::ObjectWrap<VmWrap> {
   vmm::Vm& Live(Napi::Env env) {
     if (!vm_) throw Napi::Error::New(env, "this VM was killed");
     return *vm_;
+  }
+  // Delivers the events posted so far now, on this thread (onEvents runs before
+  // this returns): a VM that stops posts why before its device closes the host's
+  // connections, so whoever sees such a close can learn why at once.
+  Napi::Value FlushEvents(const Napi::CallbackInfo& info) {
+    std::shared_ptr<EventQueue> q = events_;  // (onEvents may kill the VM meanwhile)
+    if (q && !on_events_.IsEmpty()) q->Deliver(info.Env(), on_events_.Value());
+    return info.Env().Undefined();
   }
   Napi::Value Start(const Napi::CallbackInfo& info) {
     Live(info.Env()).Start();
@@ -271,6 +282,7 @@ class VmWrap : public Napi::ObjectWrap<VmWrap> {
 
   std::unique_ptr<vmm::Vm> vm_;
   std::shared_ptr<EventQueue> events_;
+  Napi::FunctionReference on_events_;  // (flushEvents)
 };
 
 // ---- vmmInternals: the pure parts, over JS buffers -------------------------

@@ -656,6 +656,43 @@ test('the stream closing rejects pending requests; shutdown ends the (non-PID-1)
   await cb.closed;
 });
 
+test('onStreamEnd: an owner that knows why the stream ended closes with that reason before pending requests are rejected', async () => {
+  const a = await startLocalAgent({ socketPath: join(dir, 'explained.sock') });
+  const cl = await a.connect();
+  let calls = 0;
+  cl.onStreamEnd(() => {
+    calls++;
+    cl.close('the VM x stopped (error: guest RAM lost)');
+  });
+  // (a request the agent holds: its answer never comes)
+  let running = false;
+  const pending = cl.request(
+    'eval',
+    { code: 'print("running")\nimport time\ntime.sleep(30)' },
+    {
+      onEvent: () => {
+        running = true;
+      },
+    },
+  );
+  await until('the eval runs', () => running);
+  a.process.kill('SIGKILL');
+  const e = await rejects(pending, 'closed');
+  assert.is(e.message, 'the VM x stopped (error: guest RAM lost)');
+  assert.is(calls, 1, 'called once, though the stream both ended and closed');
+  // A close by the owner itself is no stream end: the hook is not called.
+  const b = await startLocalAgent({ socketPath: join(dir, 'explained2.sock') });
+  const cb = await b.connect();
+  let called = false;
+  cb.onStreamEnd(() => {
+    called = true;
+  });
+  cb.close();
+  await cb.closed;
+  assert.not.ok(called);
+  await b.stop();
+});
+
 test('no stray frames reached the main client', () => {
   assert.equal(strays, []);
 });

@@ -90,6 +90,8 @@ export interface NativeVm {
   /** Joins the vCPU and device threads and frees guest RAM; idempotent. */
   kill(): void;
   stats(): NativeVmStats;
+  /** Delivers the events posted so far to onEvents now, before it returns (a stop's reason among them). */
+  flushEvents(): void;
   /** Registers of every vCPU, one line each (pauses them for a moment). */
   debugState(): string;
   /** Writes dir/state.bin and dir/memory.bin; the VM must be paused. */

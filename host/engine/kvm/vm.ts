@@ -155,9 +155,12 @@ export class KvmSandbox implements Sandbox {
     return this.live();
   }
 
-  /** Hands a restored sandbox its agent connection (fork.ts, once restore answered). */
+  /** Hands the sandbox its agent connection (fork.ts, once a restored child's restore answered). */
   attachAgent(client: AgentClient): void {
     this.client = client;
+    // A device that fails closes the host's connections just after the VM
+    // posted why it stops: requests in flight are told that reason.
+    client.onStreamEnd(() => this.vm?.flushEvents());
   }
 
   // Reclaim (restored VMs): pages the guest wrote back to the template's
@@ -365,7 +368,7 @@ export class KvmSandbox implements Sandbox {
           // A connected agent answers at once; one that does not (a broken
           // data path) must not stall the boot past its limit.
           await answeredWithin(client, Math.min(deadline - performance.now(), 10_000), 'connected, but the agent', (c) => c.hello());
-          this.client = client;
+          this.attachAgent(client);
           return;
         } catch (e) {
           // The VM may have stopped meanwhile (its socket is gone): report that, at the top of the loop.
