@@ -165,12 +165,7 @@ class VmWrap : public Napi::ObjectWrap<VmWrap> {
     // A VM already created and restored off the JS thread (snapshot.prepareVms).
     if (!o.Get("prepared").IsUndefined()) {
       std::unique_ptr<PreparedVm> p = TakePreparedVm(o.Get("prepared"));
-      on_events_ = Napi::Persistent(info[1].As<Napi::Function>());
-      events_ = std::make_shared<EventQueue>();
-      events_->self_ = events_;
-      events_->Init(Napi::ThreadSafeFunction::New(env, info[1].As<Napi::Function>(), "forkling-vm-events", 0, 1));
-      std::shared_ptr<EventQueue> q = events_;
-      p->events->SetTarget([q](VmEvent&& e) { q->Post(std::move(e)); });
+      p->events->SetTarget(ListenEvents(env, info[1].As<Napi::Function>()));
       vm_ = std::move(p->vm);
       return;
     }
@@ -199,13 +194,8 @@ class VmWrap : public Napi::ObjectWrap<VmWrap> {
     Napi::Value rng = o.Get("rng");
     cfg.rng = rng.IsUndefined() ? true : rng.ToBoolean().Value();
 
-    on_events_ = Napi::Persistent(info[1].As<Napi::Function>());
-    events_ = std::make_shared<EventQueue>();
-    events_->self_ = events_;
-    events_->Init(Napi::ThreadSafeFunction::New(env, info[1].As<Napi::Function>(), "forkling-vm-events", 0, 1));
-    std::shared_ptr<EventQueue> q = events_;
+    vmm::Vm::EventFn post = ListenEvents(env, info[1].As<Napi::Function>());
     try {
-      auto post = [q](VmEvent&& e) { q->Post(std::move(e)); };
       vm_ = restore ? std::make_unique<vmm::Vm>(cfg, post, restore) : std::make_unique<vmm::Vm>(cfg, post);
     } catch (const std::system_error& e) {
       events_->Close();
@@ -227,6 +217,15 @@ class VmWrap : public Napi::ObjectWrap<VmWrap> {
   vmm::Vm& Live(Napi::Env env) {
     if (!vm_) throw Napi::Error::New(env, "this VM was killed");
     return *vm_;
+  }
+  // The VM's events go to onEvents: in batches from any thread, or now (flushEvents).
+  vmm::Vm::EventFn ListenEvents(Napi::Env env, Napi::Function on_events) {
+    on_events_ = Napi::Persistent(on_events);
+    events_ = std::make_shared<EventQueue>();
+    events_->self_ = events_;
+    events_->Init(Napi::ThreadSafeFunction::New(env, on_events, "forkling-vm-events", 0, 1));
+    std::shared_ptr<EventQueue> q = events_;
+    return [q](VmEvent&& e) { q->Post(std::move(e)); };
   }
   // Delivers the events posted so far now, on this thread (onEvents runs before
   // this returns): a VM that stops posts why before its device closes the host's
