@@ -33,7 +33,10 @@
 // inner runner (test/run.mjs) now runs such a file once more (LAB SIGILL). The
 // cause is not known; QEMU 7.2's TCG, whose AVX support was new in 7.2, runs
 // the lab's user space too: a lab CPU model without AVX (FORKLING_LAB_CPU)
-// would be the next thing to try if it keeps coming.
+// would be the next thing to try if it keeps coming. Its kin, once (2026-12-03,
+// cli-kvm.test.ts): a `forkling` run died of V8's WebAssembly bounds trap
+// while loading its modules, before it made a VM; test/run.mjs runs such a
+// file once more too (LAB WASM TRAP).
 import { appendFileSync } from 'node:fs';
 import { basename } from 'node:path';
 import { test } from 'uvu';
