@@ -3,7 +3,9 @@ fork of it (the pattern child) writes some pages and makes them a file of
 its own (fr_remap again); the process takes that file (fr_adopt, which
 refuses what is not sealed or whose runs are out of order or past its end);
 a new fork copies ahead the pages the pattern child wrote (fr_prefault),
-those it wrote back to the template's bytes too, its bytes unchanged; a later fork that wrote the same bytes to the same pages gets the pattern's
+those it wrote back to the template's bytes too, its bytes unchanged (the
+process that took the pattern unmapped those of them that were its files'
+pages, so that forks start without them); a later fork that wrote the same bytes to the same pages gets the pattern's
 pages mapped over its copies at reclaim (fr_reclaim), keeps the pages that
 differ, loses no write made while it reclaims, and what it writes after is
 its own; memory made executable since keeps its protection. Needs the built library (npm run build:native); x86-64."""
@@ -42,6 +44,13 @@ def load():
 
 def run(start, end, off):
     return (start).to_bytes(8, 'little') + (end).to_bytes(8, 'little') + (off).to_bytes(8, 'little')
+
+
+def present(at):
+    """Whether the page at `at` is in this process's page table (without reading it)."""
+    with open('/proc/self/pagemap', 'rb') as f:
+        f.seek(at // PAGE * 8)
+        return bool(int.from_bytes(f.read(8), 'little') >> 63 & 1)
 
 
 def inode(at):
@@ -181,6 +190,7 @@ class Scenario:
         ahead = ctypes.c_long(-1)
         report['adopted'] = lib.fr_adopt(st, mine, runs, len(runs) // RUN, written, len(written) // RUN, ctypes.byref(ahead))
         report['ahead'] = ahead.value
+        report['adopter_mapped'] = [present(self.page(i)) for i in range(7)]
         report['again'] = lib.fr_adopt(st, mine, runs, len(runs) // RUN, written, len(written) // RUN, None)
         report['pattern_index'], report['files'] = lib.fr_pattern(st), lib.fr_files(st)
         report['file_size'] = os.fstat(mine).st_size
@@ -216,6 +226,8 @@ class PatternTest(unittest.TestCase):
         else:
             self.assertEqual((p['after'], p['n']), (p['before'], 0), 'nothing copied ahead without MADV_POPULATE_WRITE')
         self.assertEqual(p['n'], r['ahead'], 'adopt says how many pages a fork copies ahead')
+        if POPULATES:  # (its file's pages, which forks copy ahead: not mapped in the forks either; page 2 stays)
+            self.assertEqual(r['adopter_mapped'], [False, False, True, False, False, False, False], r)
         self.assertEqual((p['bytes'], p['bufs']), (True, True), 'no byte changed')
         f = r['fork']
         # pages 0, 1, 3, 4: the pattern's now; page 2: its template file's again; all read as written
