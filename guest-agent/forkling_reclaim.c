@@ -695,7 +695,8 @@ static long mapped_runs(struct fr_state *st, const struct fr_region *runs, long 
  * the file's here and in every fork. Then fork() copies no entry for them, and a fork's
  * MADV_POPULATE_WRITE copies each from the file into an empty entry, not over a read-only one
  * whose TLB entry it must flush first: one flush per page, a hypercall each on a host that is
- * itself a VM without nested paging. (Fork of 10 on such a host, three pairs: 8-13% less time.) */
+ * itself a VM without nested paging. (Fork of 10 on such a host, alternated runs: median 175 -> 164
+ * ms; host/engine/process/README.md, "Copying ahead".) */
 static void unmap_clean(const struct fr_state *st) {
   int pm = (int)S2(NR_open, "/proc/thread-self/pagemap", 0);
   if (pm < 0) return;
