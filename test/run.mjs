@@ -147,20 +147,19 @@ function runFile(file, timeoutMs, attempt = 1) {
       const ok = last(/^\s*Passed:\s+(\d+)\s*$/gm);
       console.log(`--- ${file} (${((Date.now() - started) / 1000).toFixed(1)}s)`);
       process.stdout.write(out.replace(/\s+$/, '') + '\n');
-      if (overran && attempt === 1 && inLab) {
-        console.log(`LAB HANG: ${file} exceeded ${timeoutMs / 1000}s in the lab; running it once more (its results above do not count)`);
-        runFile(file, timeoutMs, 2).then(resolve);
-        return;
-      }
-      const trap = inLab && (code === 132 || signal === 'SIGILL') ? jitTraps().slice(trapsBefore).at(-1) : undefined;
-      if (trap && attempt === 1) {
-        console.log(`LAB SIGILL: ${file}: node died of an invalid opcode in V8's generated code (${trap.trim()}); running it once more (its results above do not count)`);
-        runFile(file, timeoutMs, 2).then(resolve);
-        return;
-      }
       const bad = total - ok + (code !== 0 && ok === total ? 1 : 0);
-      if (inLab && attempt === 1 && (bad || total === 0) && WASM_TRAP.test(out)) {
-        console.log(`LAB WASM TRAP: ${file}: a node process hit V8's WebAssembly bounds trap (${out.match(WASM_TRAP)[0].replace(/\s+/g, ' ')}); running it once more (its results above do not count)`);
+      // What spoiled a first run in the lab, if the lab did (see above).
+      const labSpoiled = () => {
+        if (overran) return `LAB HANG: ${file} exceeded ${timeoutMs / 1000}s in the lab`;
+        const trap = code === 132 || signal === 'SIGILL' ? jitTraps().slice(trapsBefore).at(-1) : undefined;
+        if (trap) return `LAB SIGILL: ${file}: node died of an invalid opcode in V8's generated code (${trap.trim()})`;
+        const wasm = bad || total === 0 ? out.match(WASM_TRAP) : null;
+        if (wasm) return `LAB WASM TRAP: ${file}: a node process hit V8's WebAssembly bounds trap (${wasm[0].replace(/\s+/g, ' ')})`;
+        return undefined;
+      };
+      const spoiled = inLab && attempt === 1 ? labSpoiled() : undefined;
+      if (spoiled) {
+        console.log(`${spoiled}; running it once more (its results above do not count)`);
         runFile(file, timeoutMs, 2).then(resolve);
         return;
       }
