@@ -10,7 +10,7 @@ import type { BootOptions, Engine, Sandbox, TemplateInfo, TemplateOptions } from
 import { type BranchFigures, branchChildren, diffDir } from './branch.ts';
 import { kernelCmdline } from './cmdline.ts';
 import { startChildren } from './fork.ts';
-import { Patterns, type PatternSource } from './pattern.ts';
+import { type PatternSource, Patterns } from './pattern.ts';
 import { createKvmTemplate, loadTemplate, templateExists } from './template.ts';
 import { KvmSandbox } from './vm.ts';
 
@@ -173,7 +173,9 @@ export class KvmEngine implements Engine {
   /** What the children of each template share through its pattern (pattern.ts). */
   private readonly patterns = new Patterns({
     fork: async (snapshot) => {
-      const [sb] = await this.adopt(await startChildren(snapshot, 1, { prefix: 'pattern', readyTimeoutMs: this.opts.childReadyTimeoutMs }));
+      // Named as a child ('vm-'): a hostname and id of another length are strings of another size
+      // in the guest, which moved the agent's allocations and left pages unlike the children's.
+      const [sb] = await this.adopt(await startChildren(snapshot, 1, { prefix: 'vm', readyTimeoutMs: this.opts.childReadyTimeoutMs }));
       return sb!;
     },
     dir: diffDir,

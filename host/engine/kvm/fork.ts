@@ -5,6 +5,7 @@
 // `restore` (fresh entropy, wall clock, hostname, sandbox id) before anything
 // else; the child is ready when that call returns.
 import { randomBytes } from 'node:crypto';
+import type { OpArgs } from '../../../protocol/schema.ts';
 import { type AgentClient, answeredWithin, helloAndRestore } from '../../agent/client.ts';
 import { UserError } from '../../errors.ts';
 import type { NativePreparedVm, NativeSnapshot } from './native-vm.ts';
@@ -15,6 +16,16 @@ import { connectAgent, VsockConnectError } from './vsock.ts';
 export const MAX_CHILDREN = 1024;
 /** A restored guest answers within milliseconds; this bounds a broken one. */
 export const CHILD_READY_TIMEOUT_MS = 30_000;
+
+/** A new child's id (also its hostname): one shape for every child. */
+export function childId(prefix: string): string {
+  return `${prefix}-${randomBytes(6).toString('hex')}`;
+}
+
+/** What a child's agent is told first; the template's rehearsal sends the same (template.ts). */
+export function childRestore(id: string): OpArgs<'restore'> {
+  return { entropy: randomBytes(64), time: Date.now() / 1000, hostname: id, sandboxId: id };
+}
 
 /** Connects to a restored child's agent: the listener survived the snapshot, the connection attempts back off briefly. */
 async function restoreAgent(sb: KvmSandbox, timeoutMs: number): Promise<AgentClient> {
@@ -29,7 +40,7 @@ async function restoreAgent(sb: KvmSandbox, timeoutMs: number): Promise<AgentCli
       const client = await connectAgent(sb.vsockPath, AGENT_PORT, Math.min(left, 5000));
       // A restored agent answers at once; one that does not must not stall the fork past its limit.
       await answeredWithin(client, deadline - performance.now(), 'the restored agent', (c) =>
-        helloAndRestore(c, { entropy: randomBytes(64), time: Date.now() / 1000, hostname: sb.id, sandboxId: sb.id }),
+        helloAndRestore(c, childRestore(sb.id)),
       );
       return client;
     } catch (e) {
@@ -57,7 +68,7 @@ export async function startChildren(
     // VM creation and state restore run in C++ on worker threads (creation
     // mostly waits on the kernel: an SRCU grace period per memory slot), then
     // each VM is wrapped and started here.
-    const ids = Array.from({ length: n }, () => `${opts.prefix}-${randomBytes(6).toString('hex')}`);
+    const ids = Array.from({ length: n }, () => childId(opts.prefix));
     prepared = await snapshotNative().prepareVms(
       snapshot,
       ids.map((id) => ({ vsockPath: vsockPathFor(id) })),

@@ -97,7 +97,9 @@ export class Patterns {
     let sb: KvmSandbox | null = null;
     try {
       sb = await this.build.fork(snapshot);
-      const r = await sb.agent.eval(PATTERN_EVAL, { timeoutMs: PATTERN_EVAL_TIMEOUT_MS });
+      // The limit is the host's (a signal), not the agent's: a child's eval has none there, and the
+      // agent's deadline would be objects a child never makes.
+      const r = await sb.agent.eval(PATTERN_EVAL, { signal: AbortSignal.timeout(PATTERN_EVAL_TIMEOUT_MS) });
       if (r.exception) throw new Error(`its eval failed: ${r.exception.type}: ${r.exception.message}`);
       // Idle as long as a child before its first pass, then what a pass gives back is given back.
       await new Promise((res) => setTimeout(res, idleMs).unref());

@@ -3,14 +3,14 @@
 // staging directory that replaces the old one atomically). The state and
 // memory files are checked when loaded: a missing, truncated or corrupt
 // template is refused with an error that names it, never restored.
-import { randomBytes } from 'node:crypto';
 import { existsSync, readFileSync, statSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
-import { type AgentClient, AgentError, answeredWithin } from '../../agent/client.ts';
+import { type AgentClient, AgentError, answeredWithin, helloAndRestore } from '../../agent/client.ts';
 import { checkName, UserError } from '../../errors.ts';
 import { buildDirAtomic, storePath } from '../../store.ts';
 import type { TemplateInfo, TemplateOptions } from '../engine.ts';
 import { runWarmup, warmupLimit } from '../warmup.ts';
+import { childId, childRestore } from './fork.ts';
 import type { NativeSnapshot } from './native-vm.ts';
 import { snapshotNative } from './snapshot-native.ts';
 import { AGENT_PORT, type KvmSandbox } from './vm.ts';
@@ -128,8 +128,9 @@ async function rehearse(sb: KvmSandbox): Promise<void> {
     try {
       // (our agent answers these at once; a guest that does not must not hold the template up for ever)
       await answeredWithin(c, REHEARSAL_LIMIT_MS, "the template's agent (rehearsal)", async (x) => {
-        await x.hello();
-        await x.restore({ entropy: randomBytes(64) });
+        // A child's restore, with a child's hostname and id: the same strings, so the same
+        // allocations, as in a child (an entropy-only restore left pages unlike a child's).
+        await helloAndRestore(x, childRestore(childId('vm')));
         await x.eval('1 + 1', { context: REHEARSAL_CONTEXT });
         await x.ping();
       });
