@@ -19,11 +19,15 @@
 // later, and each changed byte named by the symbol at or below it, so a
 // variable /proc/kallsyms does not list takes the name of the one before it;
 // a third child, forked with the others, tells where the kernel and its
-// symbols are; and what the pages made private again in those 8 s hold).
+// symbols are; and what the pages made private again in those 8 s hold),
+// --why-private (each page private after the passes: how many of its bytes
+// differ from a sibling's with the same history, by what the page is, and for
+// process memory which process and mapping holds it).
 import { createHash } from 'node:crypto';
-import { readFileSync, rmSync } from 'node:fs';
+import { closeSync, openSync, readFileSync, rmSync } from 'node:fs';
 import { parseArgs } from 'node:util';
 import { KvmEngine } from '../host/engine/kvm/engine.ts';
+import { snapshotNative } from '../host/engine/kvm/snapshot-native.ts';
 import { templateDir } from '../host/engine/kvm/template.ts';
 import type { KvmSandbox } from '../host/engine/kvm/vm.ts';
 import { labRetry } from '../test/kvm/lab-flake.ts';
@@ -37,6 +41,7 @@ const { values } = parseArgs({
     'no-pattern': { type: 'boolean', default: false },
     'kernel-args': { type: 'string', default: '' },
     'trace-idle': { type: 'boolean', default: false },
+    'why-private': { type: 'boolean', default: false },
   },
 });
 
@@ -52,6 +57,32 @@ for line in open('/proc/iomem'):
         spans.append((a >> 12, b >> 12, name))
 BITS = {7: 'slab', 10: 'free (buddy)', 26: 'page table'}
 out = {}
+owner = {}
+if len(sys.argv) > 1:
+    # process memory: which process and mapping maps each frame now (pagemap as root)
+    want = set(frames)
+    import os
+    for pid in filter(str.isdigit, os.listdir('/proc')):
+        try:
+            comm = open(f'/proc/{pid}/comm').read().strip()
+            maps = open(f'/proc/{pid}/maps').read().splitlines()
+            pm = open(f'/proc/{pid}/pagemap', 'rb')
+        except OSError:
+            continue
+        with pm:
+            for m in maps:
+                parts = m.split(None, 5)
+                a, b = (int(x, 16) for x in parts[0].split('-'))
+                name = parts[5] if len(parts) > 5 else '[anon]'
+                pm.seek((a >> 12) * 8)
+                data = pm.read(((b - a) >> 12) * 8)
+                for i in range(len(data) // 8):
+                    e = struct.unpack_from('<Q', data, i * 8)[0]
+                    if e >> 63 & 1:
+                        pfn = e & ((1 << 55) - 1)
+                        if pfn in want:
+                            owner.setdefault(pfn, (f'{comm}: {name.split("/")[-1]}', a + i * 4096))
+per = []
 with open('/proc/kpageflags', 'rb') as f:
     for pfn in frames:
         kind = next((n for a, b, n in spans if a <= pfn <= b), None)
@@ -68,8 +99,13 @@ with open('/proc/kpageflags', 'rb') as f:
                     kind = 'compound (other kernel)'
                 else:
                     kind = 'other kernel (stacks, per-cpu, vmalloc, ...)'
+        va = None
+        if pfn in owner:
+            kind += ' / ' + owner[pfn][0]
+            va = owner[pfn][1]
         out[kind] = out.get(kind, 0) + 1
-print(json.dumps(out))
+        per.append([kind, va])
+print(json.dumps(per if len(sys.argv) > 1 else out))
 `;
 
 /** Runs inside a child: the guest kernel's data and bss (physical) and its symbols' addresses in them. */
@@ -132,6 +168,85 @@ async function until(what: string, ok: () => boolean, ms: number): Promise<void>
   }
 }
 
+interface WhyPrivate {
+  /** Each page private after the passes, and how many of its bytes differ from the sibling's. */
+  pages: { page: number; differ: number }[];
+  /** Of those alike with the sibling's: the pages the pattern holds, and those with its bytes. */
+  inPattern: number;
+  withPatternBytes: number;
+  /** Differing 8-byte words of some pages, against the pattern or the sibling. */
+  looks: { page: number; vs: string; words: { off: number; mine: bigint; theirs: bigint }[] }[];
+}
+
+function bytesDiffer(a: Buffer, b: Buffer): number {
+  let n = 0;
+  for (let i = 0; i < a.length; i++) if (a[i] !== b[i]) n++;
+  return n;
+}
+
+/** Why the child's `pages` are private after the passes: compared with a sibling's with the same history and with the pattern. */
+function whyPrivate(sb: KvmSandbox, sibling: KvmSandbox, pages: number[], template: string): WhyPrivate {
+  const vm = sb.nativeVm();
+  const page = (v: { guestBytes(gpa: number, n: number): Buffer }, p: number) => v.guestBytes(p * 4096, 4096);
+  const out: WhyPrivate = { pages: pages.map((p) => ({ page: p, differ: bytesDiffer(page(vm, p), page(sibling.nativeVm(), p)) })), inPattern: 0, withPatternBytes: 0, looks: [] };
+  const words = (p: number, other: Buffer) => {
+    const mine = page(vm, p);
+    const w: WhyPrivate['looks'][number]['words'] = [];
+    for (let i = 0; i < 4096 && w.length < 6; i += 8) if (mine.readBigUInt64LE(i) !== other.readBigUInt64LE(i)) w.push({ off: i, mine: mine.readBigUInt64LE(i), theirs: other.readBigUInt64LE(i) });
+    return w;
+  };
+  const layer = engine.patternOf(template)?.layer;
+  if (layer) {
+    // The pattern's bytes: the template's memory file under the pattern layer.
+    const has = new Set(snapshotNative().diffPages(layer));
+    const fd = openSync(`${templateDir(template)}/memory.bin`, 'r');
+    const pat = Buffer.from(snapshotNative().mapLayered(fd, layer.ramSize, [layer]));
+    closeSync(fd);
+    for (const w of out.pages.filter((x) => x.differ === 0 && has.has(x.page))) {
+      out.inPattern++;
+      const theirs = pat.subarray(w.page * 4096, w.page * 4096 + 4096);
+      if (theirs.equals(page(vm, w.page))) out.withPatternBytes++;
+      else out.looks.push({ page: w.page, vs: 'pattern', words: words(w.page, theirs) });
+    }
+  }
+  for (const w of out.pages.filter((x) => x.differ > 0 && x.differ <= 8)) out.looks.push({ page: w.page, vs: 'sibling', words: words(w.page, page(sibling.nativeVm(), w.page)) });
+  return out;
+}
+
+/** Prints `why` with what each page is now (`kinds`: CLASSIFY per frame) and, given the kernel's layout, its variables' names. */
+function printWhy(why: WhyPrivate, kinds: [string, number | null][], layout: KernelLayout | null): void {
+  const cols = ['alike', '1-8 B', '9-64 B', '65-512 B', '>512 B'];
+  const bucket = (n: number) => (n === 0 ? 0 : n <= 8 ? 1 : n <= 64 ? 2 : n <= 512 ? 3 : 4);
+  const table = new Map<string, number[]>();
+  why.pages.forEach((w, i) => {
+    const k = kinds[i]?.[0] ?? '?';
+    const row = table.get(k) ?? cols.map(() => 0);
+    row[bucket(w.differ)]! += 4;
+    table.set(k, row);
+  });
+  const alike = why.pages.filter((w) => w.differ === 0).length;
+  console.log(`  pages private after the passes (${why.pages.length * 4} KiB; what they hold classified later), KiB by bytes that differ from the sibling's page:`);
+  console.log(`    ${'what'.padEnd(56)}${cols.map((c) => c.padStart(9)).join('')}`);
+  const sum = (r: number[]) => r.reduce((x, y) => x + y, 0);
+  for (const [k, row] of [...table].sort((a, b) => sum(b[1]) - sum(a[1]))) console.log(`    ${k.slice(0, 56).padEnd(56)}${row.map((n) => String(n).padStart(9)).join('')}`);
+  console.log(`  of the ${alike * 4} KiB alike with the sibling's: ${why.inPattern * 4} KiB are pages the pattern holds, ${why.withPatternBytes * 4} KiB with its bytes`);
+  const kindOf = new Map(why.pages.map((w, i) => [w.page, kinds[i]?.[0] ?? '?']));
+  const sym = (gpa: number) => {
+    if (!layout) return '';
+    const va = gpa + layout.text - layout.spans['Kernel code']![0];
+    let best = '';
+    for (const [a, n] of layout.syms) if (a <= va) best = n;
+    return best;
+  };
+  console.log('  words that differ (guest page vs the pattern or the sibling: offset, mine / theirs, the kernel variable with --trace-idle):');
+  for (const l of why.looks.slice(0, 60)) {
+    const kind = kindOf.get(l.page) ?? '?';
+    console.log(`    ${l.page.toString(16)} vs the ${l.vs}: ${kind}`);
+    for (const w of l.words)
+      console.log(`      +${w.off.toString(16).padStart(3, '0')} ${w.mine.toString(16).padStart(16)} / ${w.theirs.toString(16).padStart(16)} ${kind.startsWith('Kernel') ? sym(l.page * 4096 + w.off) : ''}`);
+  }
+}
+
 const reclaimOn = !values['no-reclaim'];
 const patternOn = reclaimOn && !values['no-pattern'];
 const IDLE_MS = 1000;
@@ -181,6 +296,7 @@ try {
   if (sb.reclaimed.failed) throw new Error(`a reclaim pass failed: ${sb.reclaimed.failed}`);
   row('after the idle passes');
   const passed = new Set(frames(sb));
+  const why = values['why-private'] ? whyPrivate(sb, sibling!, [...passed], name) : null;
   const dataBase = layout?.spans['Kernel data']?.[0] ?? 0;
   const dataEnd = layout?.spans['Kernel bss']?.[1] ?? 0;
   const dataBefore = layout ? vm.guestBytes(dataBase, dataEnd - dataBase) : null;
@@ -215,6 +331,11 @@ try {
   console.log(`  of the pages private at "idle 8 s later", ${alike * 4} KiB hold what a sibling with the same history holds at the same address, ${(idle.length - alike) * 4} KiB differ`);
   console.log('  what the pages private at "idle 8 s later" hold (guest /proc/kpageflags, /proc/iomem):');
   for (const [k, n] of Object.entries(kinds).sort((a, b) => b[1] - a[1])) console.log(`    ${k.padEnd(46)} ${String(n * 4).padStart(6)} KiB`);
+  if (why) {
+    const r3 = await sb.agent.exec(['python3', '-c', CLASSIFY, 'per-frame'], { stdin: new TextEncoder().encode(JSON.stringify(why.pages.map((w) => w.page))) });
+    if (r3.exitCode !== 0) throw new Error(`classifying inside the guest failed: ${new TextDecoder().decode(r3.stderr)}`);
+    printWhy(why, JSON.parse(new TextDecoder().decode(r3.stdout)) as [string, number | null][], layout);
+  }
   if (changed) {
     // The pages an idle child made private again within 8 s of its passes, and the kernel variables it wrote.
     const fresh = idle.filter((f) => !passed.has(f));
