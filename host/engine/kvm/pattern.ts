@@ -7,6 +7,7 @@
 // per child. Built in the background when a child of the template first
 // runs a pass (a one-shot fork whose children end before they idle builds
 // none); children get it at their next pass, an idle one at once.
+import { AgentError } from '../../agent/client.ts';
 import type { NativeSnapshot } from './native-vm.ts';
 import type { DiffLayerHandle } from './snapshot-native.ts';
 import type { KvmSandbox } from './vm.ts';
@@ -51,6 +52,8 @@ export interface PatternBuild {
   fork(snapshot: NativeSnapshot): Promise<KvmSandbox>;
   /** Where the pattern file goes (an unlinked file there). */
   dir(): string;
+  /** How long the hidden child's eval may take (default PATTERN_EVAL_TIMEOUT_MS). */
+  evalTimeoutMs?: number;
 }
 
 /** The patterns of the templates this process forked from: one per template name, the newest version. */
@@ -99,7 +102,10 @@ export class Patterns {
       sb = await this.build.fork(snapshot);
       // The limit is the host's (a signal), not the agent's: a child's eval has none there, and the
       // agent's deadline would be objects a child never makes.
-      const r = await sb.agent.eval(PATTERN_EVAL, { signal: AbortSignal.timeout(PATTERN_EVAL_TIMEOUT_MS) });
+      const limit = this.build.evalTimeoutMs ?? PATTERN_EVAL_TIMEOUT_MS;
+      const r = await sb.agent.eval(PATTERN_EVAL, { signal: AbortSignal.timeout(limit) }).catch((e: Error) => {
+        throw e instanceof AgentError && e.code === 'cancelled' ? new Error(`its eval got no answer within ${limit} ms`) : e;
+      });
       if (r.exception) throw new Error(`its eval failed: ${r.exception.type}: ${r.exception.message}`);
       // Idle as long as a child before its first pass, then what a pass gives back is given back.
       await new Promise((res) => setTimeout(res, idleMs).unref());
