@@ -171,6 +171,8 @@ async function until(what: string, ok: () => boolean, ms: number): Promise<void>
 interface WhyPrivate {
   /** Each page private after the passes, and how many of its bytes differ from the sibling's. */
   pages: { page: number; differ: number }[];
+  /** Of those, pages that are all zero (the guest zeroes what it frees: init_on_free). */
+  zero: number;
   /** Of those alike with the sibling's: the pages the pattern holds, and those with its bytes. */
   inPattern: number;
   withPatternBytes: number;
@@ -188,7 +190,13 @@ function bytesDiffer(a: Buffer, b: Buffer): number {
 function whyPrivate(sb: KvmSandbox, sibling: KvmSandbox, pages: number[], template: string): WhyPrivate {
   const vm = sb.nativeVm();
   const page = (v: { guestBytes(gpa: number, n: number): Buffer }, p: number) => v.guestBytes(p * 4096, 4096);
-  const out: WhyPrivate = { pages: pages.map((p) => ({ page: p, differ: bytesDiffer(page(vm, p), page(sibling.nativeVm(), p)) })), inPattern: 0, withPatternBytes: 0, looks: [] };
+  const out: WhyPrivate = {
+    pages: pages.map((p) => ({ page: p, differ: bytesDiffer(page(vm, p), page(sibling.nativeVm(), p)) })),
+    zero: pages.filter((p) => page(vm, p).every((b) => b === 0)).length,
+    inPattern: 0,
+    withPatternBytes: 0,
+    looks: [],
+  };
   const words = (p: number, other: Buffer) => {
     const mine = page(vm, p);
     const w: WhyPrivate['looks'][number]['words'] = [];
@@ -229,6 +237,7 @@ function printWhy(why: WhyPrivate, kinds: [string, number | null][], layout: Ker
   console.log(`    ${'what'.padEnd(56)}${cols.map((c) => c.padStart(9)).join('')}`);
   const sum = (r: number[]) => r.reduce((x, y) => x + y, 0);
   for (const [k, row] of [...table].sort((a, b) => sum(b[1]) - sum(a[1]))) console.log(`    ${k.slice(0, 56).padEnd(56)}${row.map((n) => String(n).padStart(9)).join('')}`);
+  console.log(`  all zero (freed by the guest, which zeroes what it frees): ${why.zero * 4} KiB`);
   console.log(`  of the ${alike * 4} KiB alike with the sibling's: ${why.inPattern * 4} KiB are pages the pattern holds, ${why.withPatternBytes * 4} KiB with its bytes`);
   const kindOf = new Map(why.pages.map((w, i) => [w.page, kinds[i]?.[0] ?? '?']));
   const sym = (gpa: number) => {
@@ -273,10 +282,12 @@ try {
   }
   const sb = child!;
   const vm = sb.nativeVm();
-  const rows: { what: string; priv: number; pattern: number; passes: number }[] = [];
+  const rows: { what: string; priv: number; zero: number; pattern: number; passes: number }[] = [];
   const row = (what: string) => {
     const m = vm.memoryUsage();
-    rows.push({ what, priv: m.guestPrivateBytes / 1024, pattern: m.guestPatternBytes / 1024, passes: sb.reclaimed.passes });
+    // (all-zero private pages: what the guest freed since the fork, zeroed as it frees)
+    const zero = frames(sb).filter((f) => vm.guestBytes(f * 4096, 4096).every((b) => b === 0)).length * 4;
+    rows.push({ what, priv: m.guestPrivateBytes / 1024, zero, pattern: m.guestPatternBytes / 1024, passes: sb.reclaimed.passes });
   };
   row('restore answered (ready)');
   for (const k of [sb, sibling!]) if ((await k.agent.eval('1 + 1')).value !== 2) throw new Error('first eval: wrong answer');
@@ -319,8 +330,9 @@ try {
   console.log(
     `\nprivate guest memory of one forked child (image ${values.image}, warm-up ${JSON.stringify(values.warmup)}, init_on_free=${values['no-init-on-free'] ? 0 : 1}, kernel args ${JSON.stringify(values['kernel-args'])}, idle passes ${reclaimOn ? `after ${IDLE_MS} ms` : 'off'}, pattern ${patternOn ? 'on' : 'off'})`,
   );
-  console.log(`  ${'step'.padEnd(28)} ${'private'.padStart(10)} ${'from the pattern'.padStart(17)} ${'passes'.padStart(7)}`);
-  for (const r of rows) console.log(`  ${r.what.padEnd(28)} ${`${r.priv} KiB`.padStart(10)} ${`${r.pattern} KiB`.padStart(17)} ${String(r.passes).padStart(7)}`);
+  console.log(`  ${'step'.padEnd(28)} ${'private'.padStart(10)} ${'of it all zero'.padStart(15)} ${'from the pattern'.padStart(17)} ${'passes'.padStart(7)}`);
+  for (const r of rows)
+    console.log(`  ${r.what.padEnd(28)} ${`${r.priv} KiB`.padStart(10)} ${`${r.zero} KiB`.padStart(15)} ${`${r.pattern} KiB`.padStart(17)} ${String(r.passes).padStart(7)}`);
   if (layer) console.log(`  the pattern file: ${layer.pageCount * 4} KiB in ${layer.runCount} runs, one copy for every child of the template`);
   // Each run mapped from the pattern splits the RAM mapping: what that costs the host (VMAs).
   console.log(`  mappings of this process (2 children): ${readFileSync('/proc/self/maps', 'utf8').trim().split('\n').length}`);
