@@ -340,8 +340,15 @@ Napi::Value VmReclaim(const Napi::CallbackInfo& info, vmm::Vm& vm) {
 
 Napi::Value VmCapturePattern(const Napi::CallbackInfo& info, vmm::Vm& vm) {
   return Guard(info.Env(), [&]() -> Napi::Value {
-    if (!info[0].IsString()) throw std::invalid_argument("capturePattern(dir)");
-    return WrapLayer(info.Env(), ss::CapturePattern(vm, info[0].As<Napi::String>()));
+    const char* usage = "capturePattern(dir, others?: Vm[])";
+    if (!info[0].IsString()) throw std::invalid_argument(usage);
+    std::vector<vmm::Vm*> others;
+    if (info.Length() > 1 && !info[1].IsUndefined()) {
+      if (!info[1].IsArray()) throw std::invalid_argument(usage);
+      Napi::Array a = info[1].As<Napi::Array>();
+      for (uint32_t i = 0; i < a.Length(); i++) others.push_back(&VmOf(a.Get(i)));
+    }
+    return WrapLayer(info.Env(), ss::CapturePattern(vm, others, info[0].As<Napi::String>()));
   });
 }
 

@@ -24,8 +24,10 @@ Napi::Value VmBranch(const Napi::CallbackInfo& info, vmm::Vm& vm);
 Napi::Value VmMemoryUsage(const Napi::CallbackInfo& info, vmm::Vm& vm);
 // vm.reclaim(): drops the private pages that equal the snapshot's again (vmm/snapshot/reclaim.h).
 Napi::Value VmReclaim(const Napi::CallbackInfo& info, vmm::Vm& vm);
-// vm.capturePattern(dir) -> diff layer; vm.setPattern(layer) (vmm/snapshot/pattern.h).
+// vm.capturePattern(dir, others?) -> diff layer; vm.setPattern(layer) (vmm/snapshot/pattern.h).
 Napi::Value VmCapturePattern(const Napi::CallbackInfo& info, vmm::Vm& vm);
+// The live VM of a Vm object (vmm_binding.cc); throws std::invalid_argument for anything else.
+vmm::Vm& VmOf(Napi::Value v);
 Napi::Value VmSetPattern(const Napi::CallbackInfo& info, vmm::Vm& vm);
 // vm.guestBytes(gpa, length) / vm.writeGuestBytes(gpa, bytes): host-side access
 // to guest RAM, for tests and diagnostics.

@@ -138,8 +138,18 @@ double GetNumber(Napi::Object o, const char* key, double dflt) {
   return v.As<Napi::Number>().DoubleValue();
 }
 
+// Marks the JS objects that are a VmWrap, so that one passed as an argument can be unwrapped safely.
+const napi_type_tag kVmTypeTag = {0x666f726b6c696e67ULL, 0x766d777261707631ULL};
+
 class VmWrap : public Napi::ObjectWrap<VmWrap> {
  public:
+  // The live VM of a Vm object passed to another Vm's method; throws for anything else or a killed VM.
+  static vmm::Vm& Of(Napi::Value v) {
+    if (!v.IsObject() || !v.As<Napi::Object>().CheckTypeTag(&kVmTypeTag)) throw std::invalid_argument("not a Vm");
+    VmWrap* w = Unwrap(v.As<Napi::Object>());
+    if (!w->vm_) throw std::runtime_error("that VM was killed");
+    return *w->vm_;
+  }
   static Napi::Function Define(Napi::Env env) {
     return DefineClass(env, "Vm",
                        {InstanceMethod("start", &VmWrap::Start), InstanceMethod("pause", &VmWrap::Pause),
@@ -159,6 +169,7 @@ class VmWrap : public Napi::ObjectWrap<VmWrap> {
 
   VmWrap(const Napi::CallbackInfo& info) : Napi::ObjectWrap<VmWrap>(info) {
     Napi::Env env = info.Env();
+    info.This().As<Napi::Object>().TypeTag(&kVmTypeTag);  // (VmOf: another method's Vm argument)
     if (info.Length() < 2 || !info[0].IsObject() || !info[1].IsFunction())
       throw Napi::TypeError::New(env, "new Vm(options, onEvents)");
     Napi::Object o = info[0].As<Napi::Object>();
@@ -529,6 +540,8 @@ class PciWrap : public Napi::ObjectWrap<PciWrap> {
 };
 
 }  // namespace
+
+vmm::Vm& VmOf(Napi::Value v) { return VmWrap::Of(v); }
 
 void InitVmm(Napi::Env env, Napi::Object exports) {
   exports.Set("Vm", VmWrap::Define(env));

@@ -532,6 +532,67 @@ restoreTest("pattern: a child's runs that hold a hidden sibling's bytes are mapp
   }
 });
 
+restoreTest('pattern from three samples: a page where one alone holds other bytes takes what the other two hold', async () => {
+  const { make, made } = testVms();
+  try {
+    const spec = s.loadTemplate(tpl, 'template tiny');
+    const [p, q, r] = [make({ restore: spec }), make({ restore: spec }), make({ restore: spec })];
+    await Promise.all([p.more(1), q.more(1), r.more(1)]);
+    // 0x340000: p went its own way; 0x350000: only q and r wrote it; 0x360000: all three differ.
+    p.vm.writeGuestBytes(0x340000, fill(0xaa));
+    for (const t of [q, r]) {
+      t.vm.writeGuestBytes(0x340000, fill(0xbb));
+      t.vm.writeGuestBytes(0x350000, fill(0xcc));
+    }
+    p.vm.writeGuestBytes(0x360000, fill(0x11));
+    q.vm.writeGuestBytes(0x360000, fill(0x22));
+    r.vm.writeGuestBytes(0x360000, fill(0x33));
+    assert.throws(() => p.vm.capturePattern(dir, [p.vm]), /other children of the same snapshot/);
+    assert.throws(() => p.vm.capturePattern(dir, [{} as never]), /not a Vm/);
+    const pattern = p.vm.capturePattern(dir, [q.vm, r.vm]);
+    // The samples' own bytes are untouched.
+    assert.equal(p.vm.guestBytes(0x340000, 4096), fill(0xaa));
+    assert.equal(q.vm.guestBytes(0x340000, 4096), fill(0xbb));
+    for (const t of [p, q, r]) t.vm.kill();
+
+    // What the pattern holds, seen through children: a page is mapped from it only where its bytes are equal.
+    const typical = make({ restore: spec });
+    const odd = make({ restore: spec });
+    await Promise.all([typical.more(1), odd.more(1)]);
+    typical.vm.writeGuestBytes(0x340000, fill(0xbb));
+    typical.vm.writeGuestBytes(0x350000, fill(0xcc));
+    typical.vm.writeGuestBytes(0x360000, fill(0x11));
+    odd.vm.writeGuestBytes(0x340000, fill(0xaa));
+    odd.vm.writeGuestBytes(0x360000, fill(0x22));
+    for (const t of [typical, odd]) t.vm.setPattern(pattern);
+    odd.vm.pause(); // (one VM maps at a time: see the pattern test above)
+    try {
+      typical.vm.reclaim();
+    } finally {
+      odd.vm.resume();
+    }
+    typical.vm.pause();
+    try {
+      odd.vm.reclaim();
+    } finally {
+      typical.vm.resume();
+    }
+    const t = frames(typical);
+    assert.not.ok(t.includes(0x340), 'the bytes two samples of three held: in the pattern');
+    assert.not.ok(t.includes(0x350), 'a page only the other samples wrote: in the pattern');
+    assert.not.ok(t.includes(0x360), 'no two alike: the first sample\'s bytes');
+    const o = frames(odd);
+    assert.ok(o.includes(0x340), 'the odd sample\'s bytes: not in the pattern');
+    assert.ok(o.includes(0x360), 'the second sample\'s bytes where none agreed: not in the pattern');
+    assert.equal(typical.vm.guestBytes(0x340000, 4096), fill(0xbb));
+    assert.equal(odd.vm.guestBytes(0x340000, 4096), fill(0xaa));
+    const n = await typical.more(1);
+    assert.ok((await typical.more(1)) > n, 'the guest goes on counting');
+  } finally {
+    for (const t of made) t.vm.kill();
+  }
+});
+
 restoreTest('killing children frees their memory: no mapping of the memory file is left', async () => {
   const memPath = join(tpl, 'memory.bin');
   const spec = s.loadTemplate(tpl, 'template tiny');

@@ -1,13 +1,14 @@
-// The KVM engine's pattern lifecycle (host/engine/kvm/pattern.ts) with a
-// stand-in for the hidden child: built once when a child first wants it, its
-// eval as a child's (no deadline sent to the agent), the hidden child always
-// killed, and the children waiting for it told either way. What the pattern
+// The KVM engine's pattern lifecycle (host/engine/kvm/pattern.ts) with
+// stand-ins for the hidden children: built once when a child first wants it,
+// their evals as a child's (no deadline sent to the agent), captured from one
+// with the others as its fellow samples, all killed, and the children waiting
+// for it told either way. What the pattern
 // holds is tested with Linux children in the lab (test/kvm/fork.test.ts).
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import { AgentError } from '../../host/agent/client.ts';
 import type { NativeSnapshot } from '../../host/engine/kvm/native-vm.ts';
-import { type PatternSource, Patterns } from '../../host/engine/kvm/pattern.ts';
+import { PATTERN_SAMPLES, type PatternSource, Patterns } from '../../host/engine/kvm/pattern.ts';
 import type { DiffLayerHandle } from '../../host/engine/kvm/snapshot-native.ts';
 import type { KvmSandbox } from '../../host/engine/kvm/vm.ts';
 
@@ -16,30 +17,33 @@ const SNAPSHOT = {} as NativeSnapshot;
 
 type EvalOpts = { timeoutMs?: number; signal?: AbortSignal };
 
-/** A hidden child whose agent answers evals with `answer`. */
-function hiddenChild(answer: (opts: EvalOpts) => Promise<unknown>) {
-  const seen = { evals: [] as { code: string; opts: EvalOpts }[], reclaims: 0, captures: 0, kills: 0 };
-  const sb = {
+/** Hidden children whose agents answer evals with `answer`; what was asked of them, together. */
+function hiddenChildren(answer: (opts: EvalOpts) => Promise<unknown>) {
+  const seen = { evals: [] as { code: string; opts: EvalOpts }[], reclaims: 0, captures: [] as { by: unknown; others: unknown[] }[], kills: 0 };
+  const make = () => {
+    const vm = {
+      capturePattern: (_dir: string, others: unknown[] = []) => {
+        seen.captures.push({ by: vm, others });
+        return LAYER;
+      },
+    };
+    return {
     agent: {
       eval: (code: string, opts: EvalOpts = {}) => {
         seen.evals.push({ code, opts });
         return answer(opts);
       },
     },
-    reclaim: async () => {
-      seen.reclaims++;
-    },
-    nativeVm: () => ({
-      capturePattern: () => {
-        seen.captures++;
-        return LAYER;
+      reclaim: async () => {
+        seen.reclaims++;
       },
-    }),
-    kill: async () => {
-      seen.kills++;
-    },
+      nativeVm: () => vm,
+      kill: async () => {
+        seen.kills++;
+      },
+    } as unknown as KvmSandbox;
   };
-  return { sb: sb as unknown as KvmSandbox, seen };
+  return { fork: async (_s: NativeSnapshot, n: number) => Array.from({ length: n }, make), seen };
 }
 
 /** A child of the template: takes the pattern source and counts the calls that say it is ready. */
@@ -65,13 +69,13 @@ async function until(what: string, ok: () => boolean): Promise<void> {
   }
 }
 
-test('built once, when a child first wants it; its eval sends the agent no deadline; the hidden child is killed', async () => {
-  const hidden = hiddenChild(async () => ({ value: 2, stdout: '', stderr: '' }));
+test('built once, when a child first wants it, from hidden children whose evals send the agent no deadline; all are killed', async () => {
+  const hidden = hiddenChildren(async () => ({ value: 2, stdout: '', stderr: '' }));
   let forks = 0;
   const patterns = new Patterns({
-    fork: async () => {
+    fork: (s, n) => {
       forks++;
-      return hidden.sb;
+      return hidden.fork(s, n);
     },
     dir: () => '/nonexistent',
   });
@@ -84,14 +88,19 @@ test('built once, when a child first wants it; its eval sends the agent no deadl
   await until('the pattern', () => !!a.c.source!.layer || !!a.c.source!.failed);
   assert.is(a.c.source!.failed, undefined);
   assert.is(a.c.source!.layer, LAYER);
-  assert.is(forks, 1, 'one hidden child for the template');
-  assert.is(hidden.seen.evals.length, 1);
-  // A child's first eval carries no timeoutMs; one here would make objects in the agent no child has.
-  assert.is(hidden.seen.evals[0]!.opts.timeoutMs, undefined);
-  assert.ok(hidden.seen.evals[0]!.opts.signal, 'the limit is the host side (a signal)');
-  assert.is(hidden.seen.reclaims, 1);
-  assert.is(hidden.seen.captures, 1);
-  await until('the hidden child killed', () => hidden.seen.kills === 1);
+  assert.is(forks, 1, 'one fork of hidden children for the template');
+  assert.is(hidden.seen.evals.length, PATTERN_SAMPLES);
+  for (const e of hidden.seen.evals) {
+    // A child's first eval carries no timeoutMs; one here would make objects in the agent no child has.
+    assert.is(e.opts.timeoutMs, undefined);
+    assert.ok(e.opts.signal, 'the limit is the host side (a signal)');
+  }
+  assert.is(hidden.seen.reclaims, PATTERN_SAMPLES);
+  assert.is(hidden.seen.captures.length, 1);
+  const capture = hidden.seen.captures[0]!;
+  assert.is(capture.others.length, PATTERN_SAMPLES - 1, 'captured from one, with the others as its fellow samples');
+  assert.not.ok(capture.others.includes(capture.by));
+  await until('the hidden children killed', () => hidden.seen.kills === PATTERN_SAMPLES);
   assert.is(a.c.ready, 1);
   assert.is(b.c.ready, 1);
   // The same template again: the same pattern, nothing built.
@@ -102,23 +111,23 @@ test('built once, when a child first wants it; its eval sends the agent no deadl
   assert.is(forks, 1);
 });
 
-test('a hidden child that does not answer is given up within the limit, killed, and the pattern says why', async () => {
+test('hidden children that do not answer are given up within the limit, killed, and the pattern says why', async () => {
   // Answers only when the request is cancelled, as the agent client does on its signal.
-  const hidden = hiddenChild(
+  const hidden = hiddenChildren(
     (opts) =>
       new Promise((_, reject) => {
         opts.signal?.addEventListener('abort', () => reject(new AgentError('cancelled', 'eval cancelled')), { once: true });
       }),
   );
-  const patterns = new Patterns({ fork: async () => hidden.sb, dir: () => '/nonexistent', evalTimeoutMs: 50 });
+  const patterns = new Patterns({ fork: hidden.fork, dir: () => '/nonexistent', evalTimeoutMs: 50 });
   const a = child();
   patterns.attach('t', '2026-12-04T00:00:00Z', SNAPSHOT, [a.sb], 1);
   a.c.source!.want();
   await until('the pattern to fail', () => !!a.c.source!.failed);
   assert.match(a.c.source!.failed!, 'its eval got no answer within 50 ms');
   assert.is(a.c.source!.layer, null);
-  assert.is(hidden.seen.captures, 0);
-  await until('the hidden child killed', () => hidden.seen.kills === 1);
+  assert.is(hidden.seen.captures.length, 0);
+  await until('the hidden children killed', () => hidden.seen.kills === PATTERN_SAMPLES);
   assert.is(a.c.ready, 1, 'a waiting child is told, so it runs its passes without the pattern');
 });
 

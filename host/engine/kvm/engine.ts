@@ -172,12 +172,9 @@ export class KvmEngine implements Engine {
 
   /** What the children of each template share through its pattern (pattern.ts). */
   private readonly patterns = new Patterns({
-    fork: async (snapshot) => {
-      // Named as a child ('vm-'): a hostname and id of another length are strings of another size
-      // in the guest, which moved the agent's allocations and left pages unlike the children's.
-      const [sb] = await this.adopt(await startChildren(snapshot, 1, { prefix: 'vm', readyTimeoutMs: this.opts.childReadyTimeoutMs }));
-      return sb!;
-    },
+    // Named as children ('vm-'): a hostname and id of another length are strings of another size
+    // in the guest, which moved the agent's allocations and left pages unlike the children's.
+    fork: async (snapshot, n) => this.adopt(await startChildren(snapshot, n, { prefix: 'vm', readyTimeoutMs: this.opts.childReadyTimeoutMs })),
     dir: diffDir,
   });
 

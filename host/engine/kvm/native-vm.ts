@@ -120,8 +120,10 @@ export interface NativeVm {
   /**
    * A restored VM: its private pages (and small gaps between them) as a
    * pattern, an unlinked diff file in `dir`, for its siblings (vmm/snapshot/pattern.h).
+   * `others`: more children of the same snapshot with the same history; their
+   * pages too, and with two, a page this one alone holds otherwise takes theirs.
    */
-  capturePattern(dir: string): DiffLayerHandle;
+  capturePattern(dir: string, others?: NativeVm[]): DiffLayerHandle;
   /** A restored VM, once: reclaim maps runs that hold this pattern's bytes from it. */
   setPattern(pattern: DiffLayerHandle): void;
   /** Test and diagnostics only: a copy of guest RAM at a guest physical address. */

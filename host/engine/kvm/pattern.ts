@@ -1,7 +1,8 @@
 // The pattern of a template (native/src/vmm/snapshot/pattern.h): once per
-// template and engine, a hidden child gets a child's first request, goes
-// idle as long as a child does before its first reclaim pass, gives back
-// what it can, and its private pages become a file. Every child of the
+// template and engine, three hidden children get a child's first request, go
+// idle as long as a child does before its first reclaim pass, give back
+// what they can, and their private pages become a file (where one of them
+// alone holds other bytes, those the other two hold alike). Every child of the
 // template then maps from that file, at its reclaim passes, the runs of
 // pages that hold the same bytes: one copy in the page cache instead of one
 // per child. Built in the background when a child of the template first
@@ -12,8 +13,14 @@ import type { NativeSnapshot } from './native-vm.ts';
 import type { DiffLayerHandle } from './snapshot-native.ts';
 import type { KvmSandbox } from './vm.ts';
 
-/** The hidden child's request: what the template's rehearsal sends too (template.ts). */
+/** The hidden children's request: what the template's rehearsal sends too (template.ts). */
 export const PATTERN_EVAL = '1 + 1';
+/**
+ * Hidden children per pattern, forked together: where one went its own way
+ * (in one lab run of four it did, and every child of that template kept
+ * ~300 KiB more), the pages the other two hold alike win.
+ */
+export const PATTERN_SAMPLES = 3;
 /** A hidden child that does not answer within this is given up (and killed). */
 const PATTERN_EVAL_TIMEOUT_MS = 30_000;
 /** A pattern that failed is built again at a fork this much later, not before. */
@@ -48,11 +55,11 @@ class TemplatePattern implements PatternSource {
 }
 
 export interface PatternBuild {
-  /** Forks the hidden child (one, ready). */
-  fork(snapshot: NativeSnapshot): Promise<KvmSandbox>;
+  /** Forks `n` hidden children, ready. */
+  fork(snapshot: NativeSnapshot, n: number): Promise<KvmSandbox[]>;
   /** Where the pattern file goes (an unlinked file there). */
   dir(): string;
-  /** How long the hidden child's eval may take (default PATTERN_EVAL_TIMEOUT_MS). */
+  /** How long each hidden child's eval may take (default PATTERN_EVAL_TIMEOUT_MS). */
   evalTimeoutMs?: number;
 }
 
@@ -64,7 +71,7 @@ export class Patterns {
 
   /**
    * The pattern of `name` as created at `createdAt` for `children`; built
-   * when one of them first runs a pass (its hidden child idles `idleMs`, as
+   * when one of them first runs a pass (its hidden children idle `idleMs`, as
    * children do before a pass).
    */
   attach(name: string, createdAt: string, snapshot: NativeSnapshot, children: KvmSandbox[], idleMs: number): void {
@@ -97,25 +104,33 @@ export class Patterns {
   }
 
   private async make(p: TemplatePattern, snapshot: NativeSnapshot, idleMs: number): Promise<void> {
-    let sb: KvmSandbox | null = null;
+    let hidden: KvmSandbox[] = [];
     try {
-      sb = await this.build.fork(snapshot);
+      hidden = await this.build.fork(snapshot, PATTERN_SAMPLES);
       // The limit is the host's (a signal), not the agent's: a child's eval has none there, and the
       // agent's deadline would be objects a child never makes.
       const limit = this.build.evalTimeoutMs ?? PATTERN_EVAL_TIMEOUT_MS;
-      const r = await sb.agent.eval(PATTERN_EVAL, { signal: AbortSignal.timeout(limit) }).catch((e: Error) => {
-        throw e instanceof AgentError && e.code === 'cancelled' ? new Error(`its eval got no answer within ${limit} ms`) : e;
-      });
-      if (r.exception) throw new Error(`its eval failed: ${r.exception.type}: ${r.exception.message}`);
+      await Promise.all(
+        hidden.map(async (sb) => {
+          const r = await sb.agent.eval(PATTERN_EVAL, { signal: AbortSignal.timeout(limit) }).catch((e: Error) => {
+            throw e instanceof AgentError && e.code === 'cancelled' ? new Error(`its eval got no answer within ${limit} ms`) : e;
+          });
+          if (r.exception) throw new Error(`its eval failed: ${r.exception.type}: ${r.exception.message}`);
+        }),
+      );
       // Idle as long as a child before its first pass, then what a pass gives back is given back.
       await new Promise((res) => setTimeout(res, idleMs).unref());
-      await sb.reclaim();
-      p.layer = sb.nativeVm().capturePattern(this.build.dir());
+      for (const sb of hidden) await sb.reclaim();
+      const [first, ...others] = hidden;
+      p.layer = first!.nativeVm().capturePattern(
+        this.build.dir(),
+        others.map((o) => o.nativeVm()),
+      );
     } catch (e) {
       p.failed = (e as Error).message;
       p.failedAt = Date.now();
     } finally {
-      await sb?.kill().catch(() => {});
+      await Promise.all(hidden.map((sb) => sb.kill().catch(() => {})));
     }
     for (const c of p.waiting) c.patternReady();
     p.waiting.clear();

@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <iterator>
 
+#include "vmm/snapshot/memory_file.h"
 #include "vmm/snapshot/pagemap.h"
 #include "vmm/vm.h"
 
@@ -47,15 +49,47 @@ std::vector<uint64_t> WrittenPages(const Vm& vm) {
   return all;
 }
 
-std::shared_ptr<DiffLayer> CapturePattern(Vm& vm, const std::string& dir) {
+std::shared_ptr<DiffLayer> CapturePattern(Vm& vm, const std::vector<Vm*>& others, const std::string& dir) {
   std::shared_ptr<const RestoreSpec> origin = vm.origin();
   const GuestRam& ram = vm.ram();
-  if (!origin || !ram.host() || ram.shared()) throw std::runtime_error("only a VM restored from a snapshot has a pattern to capture");
-  if (vm.stopped()) throw std::runtime_error("the VM has stopped: it has no pattern to capture");
+  auto check = [&](const Vm& v) {
+    if (!v.origin() || !v.ram().host() || v.ram().shared()) throw std::runtime_error("only a VM restored from a snapshot has a pattern to capture");
+    if (v.stopped()) throw std::runtime_error("the VM has stopped: it has no pattern to capture");
+  };
+  check(vm);
+  for (const Vm* o : others) {
+    check(*o);
+    if (o == &vm || o->origin() != origin) throw std::invalid_argument("a pattern's other samples must be other children of the same snapshot");
+  }
   int fd = CreateTempDiffFile(dir);
   try {
     HeldStill held(vm);
-    WriteDiff(fd, ram.host(), ram.size(), FillSmallGaps(WrittenPages(vm), kPatternMaxGap), false);
+    std::vector<std::unique_ptr<HeldStill>> held_others;
+    std::vector<uint64_t> pages = WrittenPages(vm);
+    for (Vm* o : others) {
+      held_others.push_back(std::make_unique<HeldStill>(*o));
+      std::vector<uint64_t> theirs = WrittenPages(*o), all;
+      std::set_union(pages.begin(), pages.end(), theirs.begin(), theirs.end(), std::back_inserter(all));
+      pages = std::move(all);
+    }
+    pages = FillSmallGaps(pages, kPatternMaxGap);
+    DiffBuilder b(fd, ram.size(), pages.size());
+    b.Add(ram.host(), pages);
+    // With two other samples, a page this VM alone holds otherwise takes the bytes the other two
+    // hold alike: one sample that went its own way does not decide the pattern.
+    if (others.size() >= 2) {
+      const uint8_t* x = others[0]->ram().host();
+      const uint8_t* y = others[1]->ram().host();
+      const uint8_t* a = ram.host();
+      std::vector<uint64_t> outvoted;
+      for (uint64_t p : pages) {
+        const uint64_t off = p * kPageSize;
+        if (std::memcmp(a + off, x + off, kPageSize) == 0 || std::memcmp(a + off, y + off, kPageSize) == 0) continue;
+        if (std::memcmp(x + off, y + off, kPageSize) == 0) outvoted.push_back(p);
+      }
+      b.Add(x, outvoted);
+    }
+    b.Finish(false);
   } catch (...) {
     close(fd);
     throw;

@@ -3,9 +3,11 @@
 // Most pages an idle child owns privately hold what every child of the same
 // template holds there after the same first requests: kernel objects of the
 // host's connection, the agent's bookkeeping, counters that went the same
-// way. The engine forks one hidden child, sends it a child's first requests,
-// lets it go idle and captures its private pages as a *pattern* (a diff
-// layer in an unlinked file, small gaps filled with its bytes there). At
+// way. The engine forks hidden children (three), sends them a child's first
+// requests, lets them go idle and captures their private pages as a
+// *pattern* (a diff layer in an unlinked file, small gaps filled with the
+// first one's bytes there; a page where the first alone holds other bytes
+// than the other two hold alike takes theirs). At
 // reclaim, a run of a child's pages that holds byte for byte what the
 // pattern holds is mapped from the pattern file (MAP_PRIVATE | MAP_FIXED over
 // the RAM mapping; KVM follows through its MMU notifier): every child then
@@ -78,7 +80,10 @@ std::vector<uint64_t> WrittenPages(const Vm& vm);
 
 // Captures the private pages of a restored VM (and the pages it maps from a
 // pattern of its own), small gaps filled, into an unlinked diff file in
-// `dir`, with the vCPUs and the vsock loop held. Throws std::system_error.
-std::shared_ptr<DiffLayer> CapturePattern(Vm& vm, const std::string& dir);
+// `dir`, with the vCPUs and the vsock loop held. `others`: more children of
+// the same snapshot with the same history (held too): their written pages
+// are captured as well, and with two of them a page where `vm` alone holds
+// other bytes than the two hold alike takes theirs. Throws std::system_error.
+std::shared_ptr<DiffLayer> CapturePattern(Vm& vm, const std::vector<Vm*>& others, const std::string& dir);
 
 }  // namespace forkling::vmm::snapshot
