@@ -51,7 +51,7 @@ IS_PID1 = os.getpid() == 1
 DEFAULT_VSOCK_PORT = 1024
 
 # --- BEGIN GENERATED SCHEMA (protocol/gen.ts; do not edit) ---
-SCHEMA_JSON = "{\"version\":1,\"limits\":{\"maxFrame\":16777216,\"maxChunk\":1048576,\"maxCode\":4194304},\"frames\":{\"req\":{\"type\":\"object\",\"required\":[\"t\",\"id\",\"op\"],\"properties\":{\"t\":{\"const\":\"req\",\"type\":\"string\"},\"id\":{\"minimum\":0,\"maximum\":4294967295,\"type\":\"integer\"},\"op\":{\"minLength\":1,\"maxLength\":64,\"type\":\"string\"}}},\"ev\":{\"type\":\"object\",\"required\":[\"t\",\"id\",\"ev\"],\"properties\":{\"t\":{\"const\":\"ev\",\"type\":\"string\"},\"id\":{\"minimum\":0,\"maximum\":4294967295,\"type\":\"integer\"},\"ev\":{\"minLength\":1,\"maxLength\":64,\"type\":\"string\"}}},\"cancel\":{\"type\":\"object\",\"required\":[\"t\",\"id\"],\"properties\":{\"t\":{\"const\":\"cancel\",\"type\":\"string\"},\"id\":{\"minimum\":0,\"maximum\":4294967295,\"type\":\"integer\"}}}},\"clientEvents\":{\"data\":{\"type\":\"object\",\"required\":[\"data\"],\"properties\":{\"data\":{\"maxByteLength\":1048576,\"type\":\"Uint8Array\"}}},\"end\":{\"type\":\"object\",\"properties\":{}}},\"ops\":{\"hello\":{\"args\":{\"type\":\"object\",\"required\":[\"versions\"],\"properties\":{\"versions\":{\"minItems\":1,\"maxItems\":16,\"type\":\"array\",\"items\":{\"minimum\":1,\"maximum\":65535,\"type\":\"integer\"}},\"client\":{\"maxLength\":256,\"type\":\"string\"}}},\"clientStream\":false},\"ping\":{\"args\":{\"type\":\"object\",\"properties\":{}},\"clientStream\":false},\"info\":{\"args\":{\"type\":\"object\",\"properties\":{\"modules\":{\"type\":\"boolean\"}}},\"clientStream\":false},\"eval\":{\"args\":{\"type\":\"object\",\"required\":[\"code\"],\"properties\":{\"code\":{\"maxLength\":4194304,\"type\":\"string\"},\"context\":{\"minLength\":1,\"maxLength\":256,\"type\":\"string\"},\"timeoutMs\":{\"minimum\":0,\"maximum\":31536000000,\"type\":\"integer\"}}},\"clientStream\":false},\"context.list\":{\"args\":{\"type\":\"object\",\"properties\":{}},\"clientStream\":false},\"context.delete\":{\"args\":{\"type\":\"object\",\"required\":[\"context\"],\"properties\":{\"context\":{\"minLength\":1,\"maxLength\":256,\"type\":\"string\"}}},\"clientStream\":false},\"exec\":{\"args\":{\"type\":\"object\",\"properties\":{\"argv\":{\"minItems\":1,\"maxItems\":65536,\"type\":\"array\",\"items\":{\"maxLength\":131072,\"type\":\"string\"}},\"shell\":{\"maxLength\":131072,\"type\":\"string\"},\"env\":{\"type\":\"object\",\"patternProperties\":{\"^(.*)$\":{\"type\":\"string\"}}},\"clearEnv\":{\"type\":\"boolean\"},\"cwd\":{\"minLength\":1,\"maxLength\":4096,\"type\":\"string\"},\"stdin\":{\"maxByteLength\":1048576,\"type\":\"Uint8Array\"},\"stdinStream\":{\"type\":\"boolean\"},\"timeoutMs\":{\"minimum\":0,\"maximum\":31536000000,\"type\":\"integer\"},\"background\":{\"type\":\"boolean\"}}},\"clientStream\":true},\"proc.list\":{\"args\":{\"type\":\"object\",\"properties\":{}},\"clientStream\":false},\"proc.wait\":{\"args\":{\"type\":\"object\",\"required\":[\"procId\"],\"properties\":{\"procId\":{\"minLength\":1,\"maxLength\":256,\"type\":\"string\"},\"timeoutMs\":{\"minimum\":0,\"maximum\":31536000000,\"type\":\"integer\"}}},\"clientStream\":false},\"proc.write\":{\"args\":{\"type\":\"object\",\"required\":[\"procId\",\"data\"],\"properties\":{\"procId\":{\"minLength\":1,\"maxLength\":256,\"type\":\"string\"},\"data\":{\"maxByteLength\":1048576,\"type\":\"Uint8Array\"}}},\"clientStream\":false},\"proc.closeStdin\":{\"args\":{\"type\":\"object\",\"required\":[\"procId\"],\"properties\":{\"procId\":{\"minLength\":1,\"maxLength\":256,\"type\":\"string\"}}},\"clientStream\":false},\"proc.signal\":{\"args\":{\"type\":\"object\",\"required\":[\"procId\",\"signal\"],\"properties\":{\"procId\":{\"minLength\":1,\"maxLength\":256,\"type\":\"string\"},\"signal\":{\"anyOf\":[{\"maxLength\":16,\"type\":\"string\"},{\"minimum\":1,\"maximum\":64,\"type\":\"integer\"}]},\"group\":{\"type\":\"boolean\"}}},\"clientStream\":false},\"proc.kill\":{\"args\":{\"type\":\"object\",\"required\":[\"procId\"],\"properties\":{\"procId\":{\"minLength\":1,\"maxLength\":256,\"type\":\"string\"}}},\"clientStream\":false},\"files.read\":{\"args\":{\"type\":\"object\",\"required\":[\"path\"],\"properties\":{\"path\":{\"minLength\":1,\"maxLength\":4096,\"type\":\"string\"},\"offset\":{\"minimum\":0,\"type\":\"integer\"},\"length\":{\"minimum\":0,\"type\":\"integer\"}}},\"clientStream\":false},\"files.write\":{\"args\":{\"type\":\"object\",\"required\":[\"path\"],\"properties\":{\"path\":{\"minLength\":1,\"maxLength\":4096,\"type\":\"string\"},\"data\":{\"maxByteLength\":1048576,\"type\":\"Uint8Array\"},\"stream\":{\"type\":\"boolean\"},\"append\":{\"type\":\"boolean\"},\"mode\":{\"minimum\":0,\"maximum\":4095,\"type\":\"integer\"},\"mkdirs\":{\"type\":\"boolean\"}}},\"clientStream\":true},\"files.list\":{\"args\":{\"type\":\"object\",\"required\":[\"path\"],\"properties\":{\"path\":{\"minLength\":1,\"maxLength\":4096,\"type\":\"string\"}}},\"clientStream\":false},\"files.stat\":{\"args\":{\"type\":\"object\",\"required\":[\"path\"],\"properties\":{\"path\":{\"minLength\":1,\"maxLength\":4096,\"type\":\"string\"},\"follow\":{\"type\":\"boolean\"}}},\"clientStream\":false},\"files.exists\":{\"args\":{\"type\":\"object\",\"required\":[\"path\"],\"properties\":{\"path\":{\"minLength\":1,\"maxLength\":4096,\"type\":\"string\"}}},\"clientStream\":false},\"files.mkdir\":{\"args\":{\"type\":\"object\",\"required\":[\"path\"],\"properties\":{\"path\":{\"minLength\":1,\"maxLength\":4096,\"type\":\"string\"},\"parents\":{\"type\":\"boolean\"},\"mode\":{\"minimum\":0,\"maximum\":4095,\"type\":\"integer\"}}},\"clientStream\":false},\"files.remove\":{\"args\":{\"type\":\"object\",\"required\":[\"path\"],\"properties\":{\"path\":{\"minLength\":1,\"maxLength\":4096,\"type\":\"string\"},\"recursive\":{\"type\":\"boolean\"},\"force\":{\"type\":\"boolean\"}}},\"clientStream\":false},\"files.rename\":{\"args\":{\"type\":\"object\",\"required\":[\"from\",\"to\"],\"properties\":{\"from\":{\"minLength\":1,\"maxLength\":4096,\"type\":\"string\"},\"to\":{\"minLength\":1,\"maxLength\":4096,\"type\":\"string\"}}},\"clientStream\":false},\"restore\":{\"args\":{\"type\":\"object\",\"properties\":{\"entropy\":{\"maxByteLength\":4096,\"type\":\"Uint8Array\"},\"time\":{\"minimum\":0,\"type\":\"number\"},\"hostname\":{\"minLength\":1,\"maxLength\":64,\"type\":\"string\"},\"sandboxId\":{\"minLength\":1,\"maxLength\":128,\"type\":\"string\"}}},\"clientStream\":false},\"shutdown\":{\"args\":{\"type\":\"object\",\"properties\":{\"reboot\":{\"type\":\"boolean\"}}},\"clientStream\":false},\"fork\":{\"args\":{\"type\":\"object\",\"required\":[\"children\"],\"properties\":{\"children\":{\"minItems\":0,\"maxItems\":1024,\"type\":\"array\",\"items\":{\"type\":\"object\",\"required\":[\"id\",\"hostname\"],\"properties\":{\"id\":{\"minLength\":1,\"maxLength\":32,\"type\":\"string\"},\"hostname\":{\"minLength\":1,\"maxLength\":63,\"type\":\"string\"}}}}}},\"clientStream\":false},\"branch\":{\"args\":{\"type\":\"object\",\"required\":[\"children\"],\"properties\":{\"children\":{\"minItems\":0,\"maxItems\":1024,\"type\":\"array\",\"items\":{\"type\":\"object\",\"required\":[\"id\",\"hostname\"],\"properties\":{\"id\":{\"minLength\":1,\"maxLength\":32,\"type\":\"string\"},\"hostname\":{\"minLength\":1,\"maxLength\":63,\"type\":\"string\"}}}},\"hold\":{\"type\":\"boolean\"}}},\"clientStream\":false}},\"errorCodes\":[\"bad_frame\",\"frame_too_large\",\"bad_request\",\"unknown_op\",\"hello_required\",\"unsupported_version\",\"duplicate_id\",\"unknown_request\",\"cancelled\",\"not_found\",\"already_exists\",\"permission_denied\",\"not_a_directory\",\"is_a_directory\",\"not_empty\",\"io_error\",\"no_such_process\",\"resource_exhausted\",\"shutting_down\",\"internal\"]}"
+SCHEMA_JSON = "{\"version\":1,\"limits\":{\"maxFrame\":16777216,\"maxChunk\":1048576,\"maxCode\":4194304},\"frames\":{\"req\":{\"type\":\"object\",\"required\":[\"t\",\"id\",\"op\"],\"properties\":{\"t\":{\"const\":\"req\",\"type\":\"string\"},\"id\":{\"minimum\":0,\"maximum\":4294967295,\"type\":\"integer\"},\"op\":{\"minLength\":1,\"maxLength\":64,\"type\":\"string\"}}},\"ev\":{\"type\":\"object\",\"required\":[\"t\",\"id\",\"ev\"],\"properties\":{\"t\":{\"const\":\"ev\",\"type\":\"string\"},\"id\":{\"minimum\":0,\"maximum\":4294967295,\"type\":\"integer\"},\"ev\":{\"minLength\":1,\"maxLength\":64,\"type\":\"string\"}}},\"cancel\":{\"type\":\"object\",\"required\":[\"t\",\"id\"],\"properties\":{\"t\":{\"const\":\"cancel\",\"type\":\"string\"},\"id\":{\"minimum\":0,\"maximum\":4294967295,\"type\":\"integer\"}}}},\"clientEvents\":{\"data\":{\"type\":\"object\",\"required\":[\"data\"],\"properties\":{\"data\":{\"maxByteLength\":1048576,\"type\":\"Uint8Array\"}}},\"end\":{\"type\":\"object\",\"properties\":{}}},\"ops\":{\"hello\":{\"args\":{\"type\":\"object\",\"required\":[\"versions\"],\"properties\":{\"versions\":{\"minItems\":1,\"maxItems\":16,\"type\":\"array\",\"items\":{\"minimum\":1,\"maximum\":65535,\"type\":\"integer\"}},\"client\":{\"maxLength\":256,\"type\":\"string\"}}},\"clientStream\":false},\"ping\":{\"args\":{\"type\":\"object\",\"properties\":{}},\"clientStream\":false},\"info\":{\"args\":{\"type\":\"object\",\"properties\":{\"modules\":{\"type\":\"boolean\"}}},\"clientStream\":false},\"quiet\":{\"args\":{\"type\":\"object\",\"properties\":{}},\"clientStream\":false},\"eval\":{\"args\":{\"type\":\"object\",\"required\":[\"code\"],\"properties\":{\"code\":{\"maxLength\":4194304,\"type\":\"string\"},\"context\":{\"minLength\":1,\"maxLength\":256,\"type\":\"string\"},\"timeoutMs\":{\"minimum\":0,\"maximum\":31536000000,\"type\":\"integer\"}}},\"clientStream\":false},\"context.list\":{\"args\":{\"type\":\"object\",\"properties\":{}},\"clientStream\":false},\"context.delete\":{\"args\":{\"type\":\"object\",\"required\":[\"context\"],\"properties\":{\"context\":{\"minLength\":1,\"maxLength\":256,\"type\":\"string\"}}},\"clientStream\":false},\"exec\":{\"args\":{\"type\":\"object\",\"properties\":{\"argv\":{\"minItems\":1,\"maxItems\":65536,\"type\":\"array\",\"items\":{\"maxLength\":131072,\"type\":\"string\"}},\"shell\":{\"maxLength\":131072,\"type\":\"string\"},\"env\":{\"type\":\"object\",\"patternProperties\":{\"^(.*)$\":{\"type\":\"string\"}}},\"clearEnv\":{\"type\":\"boolean\"},\"cwd\":{\"minLength\":1,\"maxLength\":4096,\"type\":\"string\"},\"stdin\":{\"maxByteLength\":1048576,\"type\":\"Uint8Array\"},\"stdinStream\":{\"type\":\"boolean\"},\"timeoutMs\":{\"minimum\":0,\"maximum\":31536000000,\"type\":\"integer\"},\"background\":{\"type\":\"boolean\"}}},\"clientStream\":true},\"proc.list\":{\"args\":{\"type\":\"object\",\"properties\":{}},\"clientStream\":false},\"proc.wait\":{\"args\":{\"type\":\"object\",\"required\":[\"procId\"],\"properties\":{\"procId\":{\"minLength\":1,\"maxLength\":256,\"type\":\"string\"},\"timeoutMs\":{\"minimum\":0,\"maximum\":31536000000,\"type\":\"integer\"}}},\"clientStream\":false},\"proc.write\":{\"args\":{\"type\":\"object\",\"required\":[\"procId\",\"data\"],\"properties\":{\"procId\":{\"minLength\":1,\"maxLength\":256,\"type\":\"string\"},\"data\":{\"maxByteLength\":1048576,\"type\":\"Uint8Array\"}}},\"clientStream\":false},\"proc.closeStdin\":{\"args\":{\"type\":\"object\",\"required\":[\"procId\"],\"properties\":{\"procId\":{\"minLength\":1,\"maxLength\":256,\"type\":\"string\"}}},\"clientStream\":false},\"proc.signal\":{\"args\":{\"type\":\"object\",\"required\":[\"procId\",\"signal\"],\"properties\":{\"procId\":{\"minLength\":1,\"maxLength\":256,\"type\":\"string\"},\"signal\":{\"anyOf\":[{\"maxLength\":16,\"type\":\"string\"},{\"minimum\":1,\"maximum\":64,\"type\":\"integer\"}]},\"group\":{\"type\":\"boolean\"}}},\"clientStream\":false},\"proc.kill\":{\"args\":{\"type\":\"object\",\"required\":[\"procId\"],\"properties\":{\"procId\":{\"minLength\":1,\"maxLength\":256,\"type\":\"string\"}}},\"clientStream\":false},\"files.read\":{\"args\":{\"type\":\"object\",\"required\":[\"path\"],\"properties\":{\"path\":{\"minLength\":1,\"maxLength\":4096,\"type\":\"string\"},\"offset\":{\"minimum\":0,\"type\":\"integer\"},\"length\":{\"minimum\":0,\"type\":\"integer\"}}},\"clientStream\":false},\"files.write\":{\"args\":{\"type\":\"object\",\"required\":[\"path\"],\"properties\":{\"path\":{\"minLength\":1,\"maxLength\":4096,\"type\":\"string\"},\"data\":{\"maxByteLength\":1048576,\"type\":\"Uint8Array\"},\"stream\":{\"type\":\"boolean\"},\"append\":{\"type\":\"boolean\"},\"mode\":{\"minimum\":0,\"maximum\":4095,\"type\":\"integer\"},\"mkdirs\":{\"type\":\"boolean\"}}},\"clientStream\":true},\"files.list\":{\"args\":{\"type\":\"object\",\"required\":[\"path\"],\"properties\":{\"path\":{\"minLength\":1,\"maxLength\":4096,\"type\":\"string\"}}},\"clientStream\":false},\"files.stat\":{\"args\":{\"type\":\"object\",\"required\":[\"path\"],\"properties\":{\"path\":{\"minLength\":1,\"maxLength\":4096,\"type\":\"string\"},\"follow\":{\"type\":\"boolean\"}}},\"clientStream\":false},\"files.exists\":{\"args\":{\"type\":\"object\",\"required\":[\"path\"],\"properties\":{\"path\":{\"minLength\":1,\"maxLength\":4096,\"type\":\"string\"}}},\"clientStream\":false},\"files.mkdir\":{\"args\":{\"type\":\"object\",\"required\":[\"path\"],\"properties\":{\"path\":{\"minLength\":1,\"maxLength\":4096,\"type\":\"string\"},\"parents\":{\"type\":\"boolean\"},\"mode\":{\"minimum\":0,\"maximum\":4095,\"type\":\"integer\"}}},\"clientStream\":false},\"files.remove\":{\"args\":{\"type\":\"object\",\"required\":[\"path\"],\"properties\":{\"path\":{\"minLength\":1,\"maxLength\":4096,\"type\":\"string\"},\"recursive\":{\"type\":\"boolean\"},\"force\":{\"type\":\"boolean\"}}},\"clientStream\":false},\"files.rename\":{\"args\":{\"type\":\"object\",\"required\":[\"from\",\"to\"],\"properties\":{\"from\":{\"minLength\":1,\"maxLength\":4096,\"type\":\"string\"},\"to\":{\"minLength\":1,\"maxLength\":4096,\"type\":\"string\"}}},\"clientStream\":false},\"restore\":{\"args\":{\"type\":\"object\",\"properties\":{\"entropy\":{\"maxByteLength\":4096,\"type\":\"Uint8Array\"},\"time\":{\"minimum\":0,\"type\":\"number\"},\"hostname\":{\"minLength\":1,\"maxLength\":64,\"type\":\"string\"},\"sandboxId\":{\"minLength\":1,\"maxLength\":128,\"type\":\"string\"}}},\"clientStream\":false},\"shutdown\":{\"args\":{\"type\":\"object\",\"properties\":{\"reboot\":{\"type\":\"boolean\"}}},\"clientStream\":false},\"fork\":{\"args\":{\"type\":\"object\",\"required\":[\"children\"],\"properties\":{\"children\":{\"minItems\":0,\"maxItems\":1024,\"type\":\"array\",\"items\":{\"type\":\"object\",\"required\":[\"id\",\"hostname\"],\"properties\":{\"id\":{\"minLength\":1,\"maxLength\":32,\"type\":\"string\"},\"hostname\":{\"minLength\":1,\"maxLength\":63,\"type\":\"string\"}}}}}},\"clientStream\":false},\"branch\":{\"args\":{\"type\":\"object\",\"required\":[\"children\"],\"properties\":{\"children\":{\"minItems\":0,\"maxItems\":1024,\"type\":\"array\",\"items\":{\"type\":\"object\",\"required\":[\"id\",\"hostname\"],\"properties\":{\"id\":{\"minLength\":1,\"maxLength\":32,\"type\":\"string\"},\"hostname\":{\"minLength\":1,\"maxLength\":63,\"type\":\"string\"}}}},\"hold\":{\"type\":\"boolean\"}}},\"clientStream\":false}},\"errorCodes\":[\"bad_frame\",\"frame_too_large\",\"bad_request\",\"unknown_op\",\"hello_required\",\"unsupported_version\",\"duplicate_id\",\"unknown_request\",\"cancelled\",\"not_found\",\"already_exists\",\"permission_denied\",\"not_a_directory\",\"is_a_directory\",\"not_empty\",\"io_error\",\"no_such_process\",\"resource_exhausted\",\"shutting_down\",\"internal\"]}"
 # --- END GENERATED SCHEMA ---
 
 SCHEMA = json.loads(SCHEMA_JSON)
@@ -1506,6 +1506,98 @@ def _meminfo():
     return {'rss': rss, 'total': total, 'available': avail}
 
 
+# x86-64 system calls a thread may sleep in for as long as it likes: only
+# another task or input from outside (the host, over vsock) ends the wait.
+# Argument index and how to read it for those that can carry a timeout.
+_NR_FUTEX = 202
+_FUTEX_WAITS = {0, 6, 9, 11, 13}  # WAIT, LOCK_PI, WAIT_BITSET, WAIT_REQUEUE_PI, LOCK_PI2
+_WAITS_UNTIMED = {0, 1, 19, 20, 34, 43, 44, 45, 46, 47, 61, 130, 247, 288}  # read write readv writev pause accept sendto recvfrom sendmsg recvmsg wait4 rt_sigsuspend waitid accept4
+_WAITS_TIMEOUT_INT = {7: 2, 232: 3, 281: 3}  # poll, epoll_wait, epoll_pwait: an int, < 0 for none
+_WAITS_TIMEOUT_PTR = {23: 4, 128: 2, 270: 4, 271: 2, 441: 3}  # select, rt_sigtimedwait, pselect6, ppoll, epoll_pwait2: NULL for none
+
+
+def _waits_untimed(line):
+    """Whether a /proc/<pid>/task/<tid>/syscall line is a wait with no timeout."""
+    parts = line.split()
+    if len(parts) < 7 or parts[0] in ('running', '-1'):
+        return False
+    try:
+        nr, args = int(parts[0]), [int(a, 16) for a in parts[1:7]]
+    except ValueError:
+        return False
+    if nr in _WAITS_UNTIMED:
+        return True
+    if nr == _NR_FUTEX:
+        return (args[1] & 0x7f) in _FUTEX_WAITS and args[3] == 0
+    if nr in _WAITS_TIMEOUT_INT:
+        return (args[_WAITS_TIMEOUT_INT[nr]] & 0xffffffff) >= 0x80000000
+    if nr in _WAITS_TIMEOUT_PTR:
+        return args[_WAITS_TIMEOUT_PTR[nr]] == 0
+    return False
+
+
+def _read(path):
+    with open(path) as fh:
+        return fh.read()
+
+
+def quiet_check():
+    """What in this sandbox would run if no input came: None when nothing
+    would (every thread of the agent's process waits with no timeout, no
+    timer is armed, and no other process lives), else a short reason."""
+    if os.uname().machine != 'x86_64':
+        return 'the agent reads system calls of x86-64 only'
+    me = threading.get_native_id()
+    for other in os.listdir('/proc'):
+        if not other.isdigit() or int(other) == os.getpid():
+            continue
+        try:
+            stat_line = _read('/proc/%s/stat' % other)
+        except OSError:
+            continue  # (gone)
+        fields = stat_line[stat_line.rfind(')') + 2:].split()
+        if int(fields[6]) & 0x00200000:  # a kernel thread (PF_KTHREAD)
+            continue
+        if fields[0] == 'Z':
+            return 'process %s exited and is not reaped yet' % other
+        return 'process %s (%s) runs' % (other, stat_line[stat_line.find('(') + 1:stat_line.rfind(')')])
+    for tid in os.listdir('/proc/self/task'):
+        if int(tid) in (me, REAPER_TID):
+            # (this one goes back to waiting for the host; the reaper ticks while a request is in
+            # flight, and sleeps with no timeout once none is and no zombie is left: reaper())
+            continue
+        try:
+            line = _read('/proc/self/task/%s/syscall' % tid)
+        except OSError:
+            continue
+        if not _waits_untimed(line):
+            try:
+                comm = _read('/proc/self/task/%s/comm' % tid).strip()
+            except OSError:
+                comm = '?'
+            return 'thread %s (%s) runs or waits with a timeout' % (tid, comm)
+    if signal.getitimer(signal.ITIMER_REAL)[0] > 0:
+        return 'an alarm (signal.alarm or setitimer) is set'
+    try:
+        if 'ID:' in _read('/proc/self/timers'):
+            return 'a POSIX timer exists'
+    except OSError:
+        pass
+    for fd in os.listdir('/proc/self/fd'):
+        try:
+            if os.readlink('/proc/self/fd/%s' % fd) == 'anon_inode:[timerfd]' and \
+                    'it_value: (0, 0)' not in _read('/proc/self/fdinfo/%s' % fd):
+                return 'a timerfd is armed'
+        except OSError:
+            continue
+    return None
+
+
+def op_quiet(agent, conn, f):
+    busy = quiet_check()
+    return {'quiet': busy is None, 'busy': busy}
+
+
 def op_info(agent, conn, f):
     mods = sorted(k for k in list(sys.modules) if isinstance(k, str))
     r = {'agent': AGENT_VERSION, 'version': PROTOCOL_VERSIONS[-1], 'python': sys.version.split()[0],
@@ -1980,6 +2072,7 @@ OPS = {
     'hello': op_hello,
     'ping': op_ping,
     'info': op_info,
+    'quiet': op_quiet,
     'eval': op_eval,
     'context.list': op_context_list,
     'context.delete': op_context_delete,
@@ -2159,6 +2252,9 @@ def zombie_children(ppid):
     return out
 
 
+REAPER_TID = None  # (quiet_check)
+
+
 def reaper():
     """PID 1 adopts orphans: reap zombies we did not start. A zombie child we
     do not track is reaped once seen twice (0.5 s apart), which gives code
@@ -2168,6 +2264,8 @@ def reaper():
     Connection.dispatch) or the exit of one of its children (a pidfd of each:
     sleep_kids) wakes it: a tick every 0.5 s wrote, and so copied in every
     forked VM, pages of Python and of the kernel while the sandbox idled."""
+    global REAPER_TID
+    REAPER_TID = threading.get_native_id()
     wake = None
     seen = set()
     while True:

@@ -163,6 +163,8 @@ export const OPS = {
       connections: Type.Integer(),
     }),
   ),
+  // Host-only: whether anything in the sandbox would run without input (the KVM engine's doze).
+  quiet: op(Type.Object({}), Type.Object({ quiet: Type.Boolean(), busy: Nullable(Type.String()) })),
   eval: op(
     Type.Object({
       code: Type.String({ maxLength: MAX_CODE }),

@@ -214,8 +214,15 @@ export class AgentClient {
     }
   }
 
+  /** Requests started so far (the owner's idle work tells its own from others by it). */
+  get started(): number {
+    return this.startedCount;
+  }
+  private startedCount = 0;
+
   private start<O extends OpName>(op: O, args: ArgsOf<O>, opts: RequestOptions<OpEvent<O>>) {
     const id = this.allocId();
+    this.startedCount++;
     const result = new Promise<OpResult<O>>((resolve, reject) => {
       if (this.closeError) {
         reject(this.closeError);

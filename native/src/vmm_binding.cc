@@ -153,7 +153,9 @@ class VmWrap : public Napi::ObjectWrap<VmWrap> {
   static Napi::Function Define(Napi::Env env) {
     return DefineClass(env, "Vm",
                        {InstanceMethod("start", &VmWrap::Start), InstanceMethod("pause", &VmWrap::Pause),
-                        InstanceMethod("resume", &VmWrap::Resume), InstanceMethod("kill", &VmWrap::Kill),
+                        InstanceMethod("resume", &VmWrap::Resume), InstanceMethod("doze", &VmWrap::Doze),
+                        InstanceMethod("dozing", &VmWrap::Dozing),
+                        InstanceMethod("kill", &VmWrap::Kill),
                         InstanceMethod("stats", &VmWrap::Stats), InstanceMethod("debugState", &VmWrap::DebugState),
                         InstanceMethod("flushEvents", &VmWrap::FlushEvents),
                         // Snapshots (snapshot_binding.cc).
@@ -257,6 +259,12 @@ class VmWrap : public Napi::ObjectWrap<VmWrap> {
   Napi::Value Resume(const Napi::CallbackInfo& info) {
     Live(info.Env()).Resume();
     return info.Env().Undefined();
+  }
+  Napi::Value Doze(const Napi::CallbackInfo& info) {
+    return Napi::Boolean::New(info.Env(), Live(info.Env()).Doze());
+  }
+  Napi::Value Dozing(const Napi::CallbackInfo& info) {
+    return Napi::Boolean::New(info.Env(), Live(info.Env()).dozing());
   }
   // Joins the vCPU and device threads and frees guest RAM; idempotent.
   Napi::Value Kill(const Napi::CallbackInfo& info) {

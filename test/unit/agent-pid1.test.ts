@@ -91,6 +91,43 @@ test('restore sets the hostname (in its UTS namespace) and adds entropy', async 
   assert.is(hostname(), hostBefore, 'the host kept its name');
 });
 
+test('quiet: true while nothing but the agent would run; else it names the thread, process or alarm', async () => {
+  const quiet = () => c.request('quiet', {});
+  /** Asks until the answer is `want` (a zombie of an earlier test is reaped within ~1 s) or 5 s passed. */
+  const until = async (want: boolean) => {
+    let r = await quiet();
+    for (let i = 0; i < 50 && r.quiet !== want; i++) {
+      await new Promise((res) => setTimeout(res, 100));
+      r = await quiet();
+    }
+    return r;
+  };
+  let r = await until(true);
+  assert.is(r.quiet, true, `not quiet at rest: ${r.busy}`);
+  assert.is(r.busy, null);
+  // A thread that waits with a timeout would run by itself; one that waits with none (an idle pool worker) would not.
+  await c.eval('import threading\n_ev = threading.Event()\n_t = threading.Thread(target=_ev.wait, args=(60,), daemon=True)\n_t.start()');
+  r = await until(false);
+  assert.is(r.quiet, false);
+  assert.match(r.busy ?? '', /^thread \d+ \(.*\) runs or waits with a timeout$/);
+  await c.eval('_ev.set(); _t.join()\n_ev = threading.Event()\n_t = threading.Thread(target=_ev.wait, daemon=True)\n_t.start()');
+  r = await until(true);
+  assert.is(r.quiet, true, `a thread that waits with no timeout: ${r.busy}`);
+  await c.eval('_ev.set(); _t.join()');
+  // A process besides the agent.
+  const p = await c.spawn(['sleep', '60']);
+  r = await quiet();
+  assert.is(r.quiet, false);
+  assert.match(r.busy ?? '', new RegExp(`^process ${p.pid} \\(sleep\\) runs$`));
+  await p.kill();
+  await p.done;
+  assert.is((await until(true)).quiet, true, 'the process was killed and reaped');
+  // An alarm (SIGALRM would end the agent: set and cleared in one eval).
+  const a = await c.eval("import signal\nsignal.alarm(60)\n_r = __import__('__main__').quiet_check()\nsignal.alarm(0)\n_r");
+  assert.is(a.value, 'an alarm (signal.alarm or setitimer) is set');
+  assert.is((await until(true)).quiet, true);
+});
+
 test('shutdown: PID 1 stops everything and powers off (ends the namespace)', async () => {
   const sleeper = await c.spawn(['sleep', '60']);
   assert.ok(sleeper.pid > 1);

@@ -76,6 +76,12 @@ export interface KvmEngineOptions {
    * their reclaim passes (pattern.ts; default true).
    */
   pattern?: boolean;
+  /**
+   * After an idle pass, a child in which nothing would run without input (the
+   * agent's `quiet`) dozes: its vCPUs wait until input for it comes, so its
+   * timer ticks write no pages (KvmSandbox.reclaimWhenIdle; default true).
+   */
+  doze?: boolean;
   /** Called with a line about slow first-use work (building the image `default`, creating the template `default`); default: nothing. */
   progress?: (line: string) => void;
 }
@@ -225,7 +231,7 @@ export class KvmEngine implements Engine {
 
   private async track(children: KvmSandbox[]): Promise<KvmSandbox[]> {
     await this.adopt(children);
-    for (const c of children) c.reclaimWhenIdle(this.reclaimIdleMs());
+    for (const c of children) c.reclaimWhenIdle(this.reclaimIdleMs(), this.opts.doze !== false);
     return children;
   }
 

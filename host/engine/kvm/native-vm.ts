@@ -87,6 +87,16 @@ export interface NativeVm {
   /** Returns once every vCPU is out of KVM_RUN. */
   pause(): void;
   resume(): void;
+  /**
+   * Holds every vCPU outside KVM_RUN until input for the guest comes (vsock
+   * bytes or a connection from the host, an interrupt): for a guest in which
+   * nothing would run without input (the agent's `quiet`), whose timer ticks
+   * would otherwise write pages. Returns once they wait; false when the VM
+   * does not run. The `dozing`, `dozes` and `dozed_ms` counters say more.
+   */
+  doze(): boolean;
+  /** Dozed and not woken since. */
+  dozing(): boolean;
   /** Joins the vCPU and device threads and frees guest RAM; idempotent. */
   kill(): void;
   stats(): NativeVmStats;

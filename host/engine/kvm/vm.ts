@@ -72,6 +72,8 @@ function exitFromStop(reason: string, message: string, shutdownRequested: boolea
   }
 }
 
+/** The agent's answer to `quiet` takes ~1 ms; a guest that gives none in this long does not doze. */
+const QUIET_TIMEOUT_MS = 5000;
 /** Private pages looked at per reclaim slice (16 MiB): a few ms of the event loop at most. */
 const RECLAIM_SLICE_PAGES = 4096;
 
@@ -203,11 +205,26 @@ export class KvmSandbox implements Sandbox {
       this.armReclaim(0);
   }
 
-  /** Reclaims `idleMs` after the agent last went idle (0: never). */
-  reclaimWhenIdle(idleMs: number): void {
+  // Doze (native-vm.ts): after its idle pass, a child in which nothing would
+  // run without input waits for input with its vCPUs out of KVM_RUN, so its
+  // timer ticks write no pages (~200 KiB within seconds) and cost no CPU.
+  private dozeWanted = false;
+  /** The agent's `quiet` request of an idle pass in flight (its settling is not the user's idle). */
+  private askingQuiet = false;
+  /** Why the last idle pass did not doze (the agent's answer), or null. */
+  notQuiet: string | null = null;
+
+  /**
+   * Reclaims `idleMs` after the agent last went idle (0: never); with `doze`,
+   * a child that is quiet then dozes until input comes.
+   */
+  reclaimWhenIdle(idleMs: number, doze = true): void {
     if (!this.spec.restore || !(idleMs > 0) || !this.client) return;
     this.reclaimIdleMs = this.reclaimDelayMs = idleMs;
-    this.client.onIdle(() => this.armReclaim());
+    this.dozeWanted = doze;
+    this.client.onIdle(() => {
+      if (!this.askingQuiet) this.armReclaim();
+    });
     this.armReclaim();
   }
 
@@ -218,8 +235,10 @@ export class KvmSandbox implements Sandbox {
     this.reclaimTimer = setTimeout(() => {
       this.reclaimTimer = null;
       if (!this.vm || this.client?.inFlight !== 0 || this.reclaiming) return;
+      // A dozing child writes nothing: one more pass only to map from a pattern built since.
+      if (this.vm.dozing() && (this.patternSet || !this.pattern?.layer)) return;
       // A pass started here gives way to the next request (at a slice's end).
-      this.reclaiming = this.reclaimSlices(() => (this.client?.inFlight ?? 0) > 0)
+      this.reclaiming = this.idlePass(() => (this.client?.inFlight ?? 0) > 0)
         .catch((e: Error) => {
           if (this.vm) this.reclaimed.failed = e.message; // no more idle passes
           return null;
@@ -230,6 +249,38 @@ export class KvmSandbox implements Sandbox {
         });
     }, delayMs);
     this.reclaimTimer.unref();
+  }
+
+  /** An idle pass: is the guest quiet (asked first: the question writes pages the pass gives back), the pass, then doze. */
+  private async idlePass(busy: () => boolean): Promise<void> {
+    const started = this.client?.started ?? 0;
+    let quiet = this.dozeWanted && !this.vm?.dozing() && (await this.askQuiet());
+    if (quiet && this.client?.started !== started + 1) {
+      // A request went out while the agent answered: its answer may predate what that request
+      // started, and the idle that followed was taken for the question's own (askQuiet).
+      quiet = false;
+      if (!busy()) this.armReclaim();
+    }
+    if (busy()) return;
+    await this.reclaimSlices(busy);
+    if (quiet && !busy() && this.vm) this.vm.doze();
+  }
+
+  /** The agent's `quiet`; false on any failure (an agent that has no such op is not asked again). */
+  private async askQuiet(): Promise<boolean> {
+    if (!this.client) return false;
+    this.askingQuiet = true;
+    try {
+      const r = await this.client.request('quiet', {}, { timeoutMs: QUIET_TIMEOUT_MS });
+      this.notQuiet = r.quiet === true ? null : String(r.busy ?? 'not quiet');
+      return r.quiet === true;
+    } catch (e) {
+      this.notQuiet = `no answer: ${(e as Error).message}`;
+      if (e instanceof AgentError && e.code === 'unknown_op') this.dozeWanted = false; // (an agent older than doze)
+      return false;
+    } finally {
+      this.askingQuiet = false;
+    }
   }
 
   /**

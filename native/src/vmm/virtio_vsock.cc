@@ -421,8 +421,10 @@ void VirtioVsock::Loop() {
           ssize_t ignored = read(kick_fd_, &v, sizeof v);
           (void)ignored;
         } else if (token == kListenToken) {
+          if (on_host_input_) on_host_input_();
           AcceptAll();
         } else {
+          if (on_host_input_) on_host_input_();
           HandleConnEvent(token, events[i].events);
         }
       }

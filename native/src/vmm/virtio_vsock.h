@@ -26,6 +26,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -156,6 +157,10 @@ class VirtioVsock : public VirtioDevice {
   // A saved state is checked like a driver's layout: a bad one fails the device.
   void Pause();
   void Resume();
+  // Called on the event loop for every host event (a connection, bytes, a
+  // close) before it is handled: the VMM wakes a dozing guest (vm.h Doze).
+  // Set before the device is activated.
+  void OnHostInput(std::function<void()> fn) { on_host_input_ = std::move(fn); }
   State SaveState() const;
   void RestoreState(const GuestMemory& mem, const State& state, NotifyGuest notify_guest);
 
@@ -230,6 +235,7 @@ class VirtioVsock : public VirtioDevice {
   uint64_t driver_features_ = 0;
   Virtqueue queues_[3];
   NotifyGuest notify_;
+  std::function<void()> on_host_input_;
   bool event_reset_owed_ = false;  // a transport reset event still to deliver
   std::unordered_map<uint64_t, std::unique_ptr<Conn>> conns_;  // by id
   std::unordered_map<uint64_t, Conn*> by_ports_;               // (host_port << 32 | guest_port)

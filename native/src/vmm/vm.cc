@@ -261,6 +261,7 @@ void Vm::SetupDevices() {
     } catch (const std::invalid_argument& e) {
       throw std::runtime_error(std::string("vsock: ") + e.what());
     }
+    vsock_->OnHostInput([this] { Wake(); });
     add(vsock_, "virtio-vsock");
   }
   if (cfg_.rng) add(std::make_shared<VirtioRng>(), "virtio-rng");
@@ -456,14 +457,16 @@ void Vm::VcpuLoop(uint32_t index) {
     }
     {
       std::unique_lock<std::mutex> l(run_mu_);
-      if (pause_requested_ || holds_) {
+      if (pause_requested_ || holds_ || dozing_) {
         paused_count_++;
         run_cv_.notify_all();
-        run_cv_.wait(l, [&] { return (!pause_requested_ && !holds_) || stop_flag_.load(); });
+        run_cv_.wait(l, [&] { return (!pause_requested_ && !holds_ && !dozing_) || stop_flag_.load(); });
         paused_count_--;
         continue;
       }
     }
+    // (EINVAL: the guest has no kvm-clock; nothing to tell it)
+    if (v.clock_stopped.exchange(false)) ioctl(v.fd, KVM_KVMCLOCK_CTRL, 0);
     int r = ioctl(v.fd, KVM_RUN, 0);
     if (r < 0) {
       if (errno == EINTR || errno == EAGAIN) {
@@ -613,6 +616,7 @@ void Vm::ConsoleByte(uint8_t b) {
 }
 
 void Vm::IrqPulse(uint32_t irq) {
+  Wake();  // (an interrupt for a dozing guest: it must run to take it)
   kvm_irq_level l;
   l.irq = irq;
   l.level = 1;
@@ -622,6 +626,7 @@ void Vm::IrqPulse(uint32_t irq) {
 }
 
 void Vm::SignalMsi(uint64_t address, uint32_t data) {
+  Wake();
   kvm_msi m;
   std::memset(&m, 0, sizeof m);
   m.address_lo = uint32_t(address);
@@ -679,6 +684,29 @@ void Vm::Pause() {
 void Vm::Resume() {
   std::lock_guard<std::mutex> l(run_mu_);
   pause_requested_ = false;
+  run_cv_.notify_all();
+}
+
+bool Vm::Doze() {
+  if (!started_ || stop_flag_) return false;
+  {
+    std::lock_guard<std::mutex> l(run_mu_);
+    if (dozing_) return true;
+    for (auto& v : vcpus_) v->clock_stopped = true;
+    dozing_ = true;
+    dozes_++;
+    doze_t0_ = std::chrono::steady_clock::now();
+  }
+  WaitStopped();
+  return !stop_flag_;
+}
+
+void Vm::Wake() {
+  if (!dozing_.load()) return;
+  std::lock_guard<std::mutex> l(run_mu_);
+  if (!dozing_) return;
+  dozing_ = false;
+  dozed_ += std::chrono::steady_clock::now() - doze_t0_;
   run_cv_.notify_all();
 }
 
@@ -855,6 +883,13 @@ Vm::Stats Vm::GetStats() {
                                            "exits_other"};
   for (int i = 0; i < kExitKinds; i++) s.counters.emplace_back(kNames[i], exits_[i].load());
   s.counters.emplace_back("console_bytes", console_bytes_.load());
+  {
+    std::lock_guard<std::mutex> l(run_mu_);
+    auto dozed = dozed_ + (dozing_ ? std::chrono::steady_clock::now() - doze_t0_ : std::chrono::steady_clock::duration{});
+    s.counters.emplace_back("dozing", dozing_ ? 1 : 0);
+    s.counters.emplace_back("dozes", dozes_);
+    s.counters.emplace_back("dozed_ms", uint64_t(std::chrono::duration_cast<std::chrono::milliseconds>(dozed).count()));
+  }
   uint64_t irqs = 0;
   for (const auto& d : virtio_) irqs += d->interrupts_sent();
   s.counters.emplace_back("virtio_interrupts", irqs);

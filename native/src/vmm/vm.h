@@ -115,6 +115,17 @@ class Vm {
   // paused. Returns once every vCPU is out of KVM_RUN.
   void Hold();
   void Release();
+  // Doze: an idle guest's vCPUs wait outside KVM_RUN, so its timer ticks
+  // write no page and cost no host CPU. The owner dozes a VM only when
+  // nothing in it would run without input (the agent's `quiet`); input for
+  // the guest (a vsock connection or bytes from the host, an interrupt for
+  // it) wakes it, and each vCPU tells the guest through kvm-clock that it
+  // was stopped (KVM_KVMCLOCK_CTRL: no soft-lockup or RCU stall report for
+  // the time it slept). Apart from the owner's pause and the holds. False
+  // when the VM does not run.
+  bool Doze();
+  void Wake();
+  bool dozing() const { return dozing_.load(); }
   // Stops the vCPUs, joins every thread, resets the devices and frees guest
   // RAM. Idempotent. Must not be called from a vCPU thread.
   void Kill();
@@ -174,6 +185,7 @@ class Vm {
     // The thread's stack, set by the thread itself (for GetStats).
     std::atomic<uintptr_t> stack_lo{0};
     std::atomic<size_t> stack_size{0};
+    std::atomic<bool> clock_stopped{false};  // dozed: KVM_KVMCLOCK_CTRL before it runs again
   };
   enum Exit { kExitIo, kExitMmio, kExitIntr, kExitHlt, kExitShutdown, kExitSystemEvent, kExitInternal,
               kExitFailEntry, kExitOther, kExitKinds };
@@ -236,6 +248,10 @@ class Vm {
   std::condition_variable run_cv_;
   bool pause_requested_ = false;  // by the owner
   uint32_t holds_ = 0;
+  std::atomic<bool> dozing_{false};  // changed under run_mu_
+  uint64_t dozes_ = 0;
+  std::chrono::steady_clock::time_point doze_t0_;
+  std::chrono::steady_clock::duration dozed_{};
   uint32_t paused_count_ = 0;
   uint32_t exited_count_ = 0;
 
