@@ -13,6 +13,8 @@
 // --no-reclaim (the engine's idle passes off: no page that holds the
 // template's bytes again is given back), --no-pattern (the passes do not map
 // what children hold alike from the template's pattern: pattern.ts),
+// --no-doze (an idle child with nothing to run does not doze: its vCPUs go
+// on running, and its timer ticks write pages again between passes),
 // --kernel-args '<extra guest kernel arguments for the template>',
 // --trace-idle (which kernel variables an idle child writes: the bytes of the
 // guest kernel's data and bss are copied after the passes and compared 8 s
@@ -39,6 +41,7 @@ const { values } = parseArgs({
     'no-init-on-free': { type: 'boolean', default: false },
     'no-reclaim': { type: 'boolean', default: false },
     'no-pattern': { type: 'boolean', default: false },
+    'no-doze': { type: 'boolean', default: false },
     'kernel-args': { type: 'string', default: '' },
     'trace-idle': { type: 'boolean', default: false },
     'why-private': { type: 'boolean', default: false },
@@ -259,7 +262,8 @@ function printWhy(why: WhyPrivate, kinds: [string, number | null][], layout: Ker
 const reclaimOn = !values['no-reclaim'];
 const patternOn = reclaimOn && !values['no-pattern'];
 const IDLE_MS = 1000;
-const engine = new KvmEngine({ reclaimIdleMs: reclaimOn ? IDLE_MS : 0, pattern: patternOn });
+const dozeOn = reclaimOn && !values['no-doze'];
+const engine = new KvmEngine({ reclaimIdleMs: reclaimOn ? IDLE_MS : 0, pattern: patternOn, doze: dozeOn });
 const name = `child-memory-${process.pid}`;
 try {
   await labRetry('template boot', () =>
@@ -282,12 +286,12 @@ try {
   }
   const sb = child!;
   const vm = sb.nativeVm();
-  const rows: { what: string; priv: number; zero: number; pattern: number; passes: number }[] = [];
+  const rows: { what: string; priv: number; zero: number; pattern: number; passes: number; dozing: boolean }[] = [];
   const row = (what: string) => {
     const m = vm.memoryUsage();
     // (all-zero private pages: what the guest freed since the fork, zeroed as it frees)
     const zero = frames(sb).filter((f) => vm.guestBytes(f * 4096, 4096).every((b) => b === 0)).length * 4;
-    rows.push({ what, priv: m.guestPrivateBytes / 1024, zero, pattern: m.guestPatternBytes / 1024, passes: sb.reclaimed.passes });
+    rows.push({ what, priv: m.guestPrivateBytes / 1024, zero, pattern: m.guestPatternBytes / 1024, passes: sb.reclaimed.passes, dozing: vm.stats().counters.dozing === 1 });
   };
   row('restore answered (ready)');
   for (const k of [sb, sibling!]) if ((await k.agent.eval('1 + 1')).value !== 2) throw new Error('first eval: wrong answer');
@@ -328,11 +332,12 @@ try {
   row('another eval answered');
   const layer = engine.patternOf(name)?.layer;
   console.log(
-    `\nprivate guest memory of one forked child (image ${values.image}, warm-up ${JSON.stringify(values.warmup)}, init_on_free=${values['no-init-on-free'] ? 0 : 1}, kernel args ${JSON.stringify(values['kernel-args'])}, idle passes ${reclaimOn ? `after ${IDLE_MS} ms` : 'off'}, pattern ${patternOn ? 'on' : 'off'})`,
+    `\nprivate guest memory of one forked child (image ${values.image}, warm-up ${JSON.stringify(values.warmup)}, init_on_free=${values['no-init-on-free'] ? 0 : 1}, kernel args ${JSON.stringify(values['kernel-args'])}, idle passes ${reclaimOn ? `after ${IDLE_MS} ms` : 'off'}, pattern ${patternOn ? 'on' : 'off'}, doze ${dozeOn ? 'on' : 'off'})`,
   );
-  console.log(`  ${'step'.padEnd(28)} ${'private'.padStart(10)} ${'of it all zero'.padStart(15)} ${'from the pattern'.padStart(17)} ${'passes'.padStart(7)}`);
+  console.log(`  ${'step'.padEnd(28)} ${'private'.padStart(10)} ${'of it all zero'.padStart(15)} ${'from the pattern'.padStart(17)} ${'passes'.padStart(7)} ${'dozing'.padStart(7)}`);
   for (const r of rows)
-    console.log(`  ${r.what.padEnd(28)} ${`${r.priv} KiB`.padStart(10)} ${`${r.zero} KiB`.padStart(15)} ${`${r.pattern} KiB`.padStart(17)} ${String(r.passes).padStart(7)}`);
+    console.log(`  ${r.what.padEnd(28)} ${`${r.priv} KiB`.padStart(10)} ${`${r.zero} KiB`.padStart(15)} ${`${r.pattern} KiB`.padStart(17)} ${String(r.passes).padStart(7)} ${(r.dozing ? 'yes' : 'no').padStart(7)}`);
+  if (dozeOn && !rows.some((r) => r.dozing)) console.log(`  the child did not doze: ${sb.notQuiet ?? 'no idle pass asked'}`);
   if (layer) console.log(`  the pattern file: ${layer.pageCount * 4} KiB in ${layer.runCount} runs, one copy for every child of the template`);
   // Each run mapped from the pattern splits the RAM mapping: what that costs the host (VMAs).
   console.log(`  mappings of this process (2 children): ${readFileSync('/proc/self/maps', 'utf8').trim().split('\n').length}`);

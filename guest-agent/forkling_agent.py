@@ -1310,6 +1310,10 @@ class Agent:
         with self.eval_lock:
             job.state = 'done'
             self.interrupt_for = None
+        if job.deadline is not None:
+            # The watchdog drops it now and waits with no timeout, rather than waking at its deadline
+            # (a template's warm-up limit: in every child of it, later, and a doze refused till then).
+            self.watch_wakeup.set()
         if cap is not None and not cap.copied:  # (a process the eval forked that fell off its end: not its to take)
             try:
                 with cap.lock:  # what the eval's subprocesses wrote before it ended is its output
@@ -1513,6 +1517,8 @@ _NR_FUTEX = 202
 _FUTEX_WAITS = {0, 6, 9, 11, 13}  # WAIT, LOCK_PI, WAIT_BITSET, WAIT_REQUEUE_PI, LOCK_PI2
 _WAITS_UNTIMED = {0, 1, 19, 20, 34, 43, 44, 45, 46, 47, 61, 130, 247, 288}  # read write readv writev pause accept sendto recvfrom sendmsg recvmsg wait4 rt_sigsuspend waitid accept4
 _WAITS_TIMEOUT_INT = {7: 2, 232: 3, 281: 3}  # poll, epoll_wait, epoll_pwait: an int, < 0 for none
+_SYSCALL_NAMES = {7: 'poll', 23: 'select', 35: 'nanosleep', 202: 'futex', 230: 'clock_nanosleep', 232: 'epoll_wait',
+                  270: 'pselect6', 271: 'ppoll', 281: 'epoll_pwait', 441: 'epoll_pwait2', 128: 'rt_sigtimedwait'}
 _WAITS_TIMEOUT_PTR = {23: 4, 128: 2, 270: 4, 271: 2, 441: 3}  # select, rt_sigtimedwait, pselect6, ppoll, epoll_pwait2: NULL for none
 
 
@@ -1575,7 +1581,9 @@ def quiet_check():
                 comm = _read('/proc/self/task/%s/comm' % tid).strip()
             except OSError:
                 comm = '?'
-            return 'thread %s (%s) runs or waits with a timeout' % (tid, comm)
+            nr = line.split(' ', 1)[0]
+            doing = 'runs' if not nr.isdigit() else 'waits in %s with a timeout' % _SYSCALL_NAMES.get(int(nr), 'system call ' + nr)
+            return 'thread %s (%s) %s' % (tid, comm, doing)
     if signal.getitimer(signal.ITIMER_REAL)[0] > 0:
         return 'an alarm (signal.alarm or setitimer) is set'
     try:

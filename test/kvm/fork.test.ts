@@ -213,6 +213,47 @@ labTest("pattern: idle children map what they hold alike from their template's p
   }
 });
 
+labTest('doze: an idle child with nothing to run waits for input with its vCPUs out of KVM_RUN; input wakes it with the right time; a child with a timed wait does not doze', async () => {
+  const e = new KvmEngine({ reclaimIdleMs: 300, pattern: false });
+  try {
+    const [a, b] = await e.fork(NAME, 2);
+    assert.is((await a!.agent.eval('WARM')).value, 'warm-42');
+    await b!.agent.eval('import threading, time\n_t = threading.Thread(target=time.sleep, args=(3600,), daemon=True)\n_t.start()');
+    const deadline = Date.now() + 120_000;
+    const counters = async (k: typeof a) => (await k!.stats()).counters;
+    while ((await counters(a)).dozing !== 1 || b!.notQuiet === null) {
+      assert.ok(Date.now() < deadline, `no doze: a says ${a!.notQuiet}, b ${b!.notQuiet}`);
+      await new Promise((res) => setTimeout(res, 100));
+    }
+    assert.match(b!.notQuiet ?? '', /^thread \d+ \(.*\) waits in clock_nanosleep with a timeout$/);
+    assert.is((await counters(b)).dozes, 0, 'a child whose thread sleeps with a timeout dozed');
+    // While it dozes its vCPUs do not run (no exit of any kind) and it writes no page.
+    const exits = (c: Record<string, number>) => Object.entries(c).reduce((n, [k, v]) => (k.startsWith('exits_') ? n + v : n), 0);
+    const before = await counters(a);
+    await new Promise((res) => setTimeout(res, 3000));
+    const still = await counters(a);
+    assert.is(still.dozing, 1);
+    assert.is(exits(still), exits(before), 'a dozing VM exited to the VMM');
+    assert.is(still.guestPrivateKiB, before.guestPrivateKiB, 'a dozing VM wrote pages');
+    // Input wakes it; its clock went on (kvm-clock) while it dozed.
+    const t = (await a!.agent.eval('import time; time.time()')).value as number;
+    assert.ok(Math.abs(t - Date.now() / 1000) < 1, `the woken child's clock is ${t - Date.now() / 1000} s off`);
+    const woke = await counters(a);
+    assert.ok(woke.dozes! >= 1 && woke.dozed_ms! >= 3000, JSON.stringify(woke));
+    // Idle again, it dozes again; the guest told of no stall.
+    while ((await counters(a)).dozes! <= woke.dozes!) {
+      assert.ok(Date.now() < deadline, `no second doze: ${a!.notQuiet}`);
+      await new Promise((res) => setTimeout(res, 100));
+    }
+    assert.is((await a!.agent.eval('WARM + "!"')).value, 'warm-42!');
+    const stalls = a!.console.filter((l) => /soft lockup|rcu.*stall|hung task/i.test(l));
+    assert.equal(stalls, [], 'the guest reported a stall');
+    console.log(`    doze: dozed ${woke.dozes} time(s), ${woke.dozed_ms} ms; private ${still.guestPrivateKiB} KiB while dozing; b: ${b!.notQuiet}`);
+  } finally {
+    await e.close();
+  }
+});
+
 labTest('a memory file cut short under a live child stops that child only, with why; the template is refused then', async () => {
   // (the host's own reads of such RAM took SIGBUS and ended the host process: native/src/vmm/ram_guard.h)
   const cut = `${NAME}-cut`;

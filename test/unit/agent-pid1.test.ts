@@ -102,6 +102,9 @@ test('quiet: true while nothing but the agent would run; else it names the threa
     }
     return r;
   };
+  // An eval with a limit, done: the agent's watchdog then waits with no timeout (a template's
+  // warm-up has a limit: its children would otherwise not be quiet until that deadline).
+  assert.is((await c.eval('6 * 7', { timeoutMs: 600_000 })).value, 42);
   let r = await until(true);
   assert.is(r.quiet, true, `not quiet at rest: ${r.busy}`);
   assert.is(r.busy, null);
@@ -109,7 +112,7 @@ test('quiet: true while nothing but the agent would run; else it names the threa
   await c.eval('import threading\n_ev = threading.Event()\n_t = threading.Thread(target=_ev.wait, args=(60,), daemon=True)\n_t.start()');
   r = await until(false);
   assert.is(r.quiet, false);
-  assert.match(r.busy ?? '', /^thread \d+ \(.*\) runs or waits with a timeout$/);
+  assert.match(r.busy ?? '', /^thread \d+ \(.*\) waits in futex with a timeout$/);
   await c.eval('_ev.set(); _t.join()\n_ev = threading.Event()\n_t = threading.Thread(target=_ev.wait, daemon=True)\n_t.start()');
   r = await until(true);
   assert.is(r.quiet, true, `a thread that waits with no timeout: ${r.busy}`);
