@@ -19,7 +19,7 @@ type EvalOpts = { timeoutMs?: number; signal?: AbortSignal };
 
 /** Hidden children whose agents answer evals with `answer`; what was asked of them, together. */
 function hiddenChildren(answer: (opts: EvalOpts) => Promise<unknown>) {
-  const seen = { evals: [] as { code: string; opts: EvalOpts }[], reclaims: 0, captures: [] as { by: unknown; others: unknown[] }[], kills: 0 };
+  const seen = { evals: [] as { code: string; opts: EvalOpts }[], idlePasses: [] as { doze?: boolean }[], captures: [] as { by: unknown; others: unknown[] }[], kills: 0 };
   const make = () => {
     const vm = {
       capturePattern: (_dir: string, others: unknown[] = []) => {
@@ -34,8 +34,8 @@ function hiddenChildren(answer: (opts: EvalOpts) => Promise<unknown>) {
         return answer(opts);
       },
     },
-      reclaim: async () => {
-        seen.reclaims++;
+      idlePass: async (opts: { doze?: boolean }) => {
+        seen.idlePasses.push(opts);
       },
       nativeVm: () => vm,
       kill: async () => {
@@ -78,6 +78,7 @@ test('built once, when a child first wants it, from hidden children whose evals 
       return hidden.fork(s, n);
     },
     dir: () => '/nonexistent',
+    doze: true,
   });
   const a = child();
   const b = child();
@@ -95,7 +96,8 @@ test('built once, when a child first wants it, from hidden children whose evals 
     assert.is(e.opts.timeoutMs, undefined);
     assert.ok(e.opts.signal, 'the limit is the host side (a signal)');
   }
-  assert.is(hidden.seen.reclaims, PATTERN_SAMPLES);
+  // Each ran a child's idle pass, dozing as children do.
+  assert.equal(hidden.seen.idlePasses, Array.from({ length: PATTERN_SAMPLES }, () => ({ doze: true })));
   assert.is(hidden.seen.captures.length, 1);
   const capture = hidden.seen.captures[0]!;
   assert.is(capture.others.length, PATTERN_SAMPLES - 1, 'captured from one, with the others as its fellow samples');
@@ -119,7 +121,7 @@ test('hidden children that do not answer are given up within the limit, killed, 
         opts.signal?.addEventListener('abort', () => reject(new AgentError('cancelled', 'eval cancelled')), { once: true });
       }),
   );
-  const patterns = new Patterns({ fork: hidden.fork, dir: () => '/nonexistent', evalTimeoutMs: 50 });
+  const patterns = new Patterns({ fork: hidden.fork, dir: () => '/nonexistent', evalTimeoutMs: 50, doze: true });
   const a = child();
   patterns.attach('t', '2026-12-04T00:00:00Z', SNAPSHOT, [a.sb], 1);
   a.c.source!.want();

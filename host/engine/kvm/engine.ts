@@ -105,7 +105,15 @@ export class KvmEngine implements Engine {
   private readonly live = new Set<KvmSandbox>();
   private closed = false;
 
-  constructor(private readonly opts: KvmEngineOptions = {}) {}
+  constructor(private readonly opts: KvmEngineOptions = {}) {
+    this.patterns = new Patterns({
+      // Named as children ('vm-'): a hostname and id of another length are strings of another size
+      // in the guest, which moved the agent's allocations and left pages unlike the children's.
+      fork: async (snapshot, n) => this.adopt(await startChildren(snapshot, n, { prefix: 'vm', readyTimeoutMs: opts.childReadyTimeoutMs })),
+      dir: diffDir,
+      doze: opts.doze !== false,
+    });
+  }
 
   private checkOpen(): void {
     if (this.closed) throw new Error('the kvm engine is closed');
@@ -177,12 +185,7 @@ export class KvmEngine implements Engine {
   }
 
   /** What the children of each template share through its pattern (pattern.ts). */
-  private readonly patterns = new Patterns({
-    // Named as children ('vm-'): a hostname and id of another length are strings of another size
-    // in the guest, which moved the agent's allocations and left pages unlike the children's.
-    fork: async (snapshot, n) => this.adopt(await startChildren(snapshot, n, { prefix: 'vm', readyTimeoutMs: this.opts.childReadyTimeoutMs })),
-    dir: diffDir,
-  });
+  private readonly patterns: Patterns;
 
   /** The pattern of a template this engine forked from (benchmarks, diagnostics). */
   patternOf(template: string): PatternSource | undefined {

@@ -1,7 +1,7 @@
 // The pattern of a template (native/src/vmm/snapshot/pattern.h): once per
 // template and engine, three hidden children get a child's first request, go
-// idle as long as a child does before its first reclaim pass, give back
-// what they can, and their private pages become a file (where one of them
+// idle as long as a child does before its first reclaim pass, run that pass
+// as a child does (and doze), and their private pages become a file (where one of them
 // alone holds other bytes, those the other two hold alike). Every child of the
 // template then maps from that file, at its reclaim passes, the runs of
 // pages that hold the same bytes: one copy in the page cache instead of one
@@ -61,6 +61,8 @@ export interface PatternBuild {
   dir(): string;
   /** How long each hidden child's eval may take (default PATTERN_EVAL_TIMEOUT_MS). */
   evalTimeoutMs?: number;
+  /** Whether children doze after their idle pass (the hidden children do as they do). */
+  doze: boolean;
 }
 
 /** The patterns of the templates this process forked from: one per template name, the newest version. */
@@ -118,9 +120,10 @@ export class Patterns {
           if (r.exception) throw new Error(`its eval failed: ${r.exception.type}: ${r.exception.message}`);
         }),
       );
-      // Idle as long as a child before its first pass, then what a pass gives back is given back.
+      // Idle as long as a child before its first pass, then that pass as a child runs it, together:
+      // the quiet question and the doze too (a child that dozes holds the pages of that moment).
       await new Promise((res) => setTimeout(res, idleMs).unref());
-      for (const sb of hidden) await sb.reclaim();
+      await Promise.all(hidden.map((sb) => sb.idlePass({ doze: this.build.doze })));
       const [first, ...others] = hidden;
       p.layer = first!.nativeVm().capturePattern(
         this.build.dir(),

@@ -238,7 +238,7 @@ export class KvmSandbox implements Sandbox {
       // A dozing child writes nothing: one more pass only to map from a pattern built since.
       if (this.vm.dozing() && (this.patternSet || !this.pattern?.layer)) return;
       // A pass started here gives way to the next request (at a slice's end).
-      this.reclaiming = this.idlePass(() => (this.client?.inFlight ?? 0) > 0)
+      this.reclaiming = this.idlePass({ busy: () => (this.client?.inFlight ?? 0) > 0 })
         .catch((e: Error) => {
           if (this.vm) this.reclaimed.failed = e.message; // no more idle passes
           return null;
@@ -251,10 +251,17 @@ export class KvmSandbox implements Sandbox {
     this.reclaimTimer.unref();
   }
 
-  /** An idle pass: is the guest quiet (asked first: the question writes pages the pass gives back), the pass, then doze. */
-  private async idlePass(busy: () => boolean): Promise<void> {
+  /**
+   * What an idle child does at its idle time: asks whether the guest is quiet
+   * (first: the question writes pages the pass gives back), runs a pass, and
+   * dozes if it is and `doze` (default: as reclaimWhenIdle said). Stops where
+   * `busy` says a request came. The pattern's hidden children run it too, so
+   * that the pattern holds what a child holds when it dozes (pattern.ts).
+   */
+  async idlePass(opts: { busy?: () => boolean; doze?: boolean } = {}): Promise<void> {
+    const busy = opts.busy ?? (() => false);
     const started = this.client?.started ?? 0;
-    let quiet = this.dozeWanted && !this.vm?.dozing() && (await this.askQuiet());
+    let quiet = (opts.doze ?? this.dozeWanted) && !this.vm?.dozing() && (await this.askQuiet());
     if (quiet && this.client?.started !== started + 1) {
       // A request went out while the agent answered: its answer may predate what that request
       // started, and the idle that followed was taken for the question's own (askQuiet).
@@ -267,8 +274,9 @@ export class KvmSandbox implements Sandbox {
   }
 
   /** The agent's `quiet`; false on any failure (an agent that has no such op is not asked again). */
+  private noQuietOp = false;
   private async askQuiet(): Promise<boolean> {
-    if (!this.client) return false;
+    if (!this.client || this.noQuietOp) return false;
     this.askingQuiet = true;
     try {
       const r = await this.client.request('quiet', {}, { timeoutMs: QUIET_TIMEOUT_MS });
@@ -276,7 +284,7 @@ export class KvmSandbox implements Sandbox {
       return r.quiet === true;
     } catch (e) {
       this.notQuiet = `no answer: ${(e as Error).message}`;
-      if (e instanceof AgentError && e.code === 'unknown_op') this.dozeWanted = false; // (an agent older than doze)
+      if (e instanceof AgentError && e.code === 'unknown_op') this.noQuietOp = true; // (an agent older than doze)
       return false;
     } finally {
       this.askingQuiet = false;
