@@ -115,7 +115,7 @@ const REHEARSAL_CONTEXT = 'forkling-rehearsal';
 
 /**
  * Does in the template what every child does first (connect over vsock,
- * hello, restore, an eval, ping), a few times, then fills pymalloc's pool
+ * hello, restore, an eval, ping, and once idle the quiet question), a few times, then fills pymalloc's pool
  * holes and freezes the heap: lazy
  * imports, caches and CPython's specialised bytecode are filled in once here
  * instead of being written, and so copied page by page, in every child, and
@@ -133,6 +133,11 @@ async function rehearse(sb: KvmSandbox): Promise<void> {
         await helloAndRestore(x, childRestore(childId('vm')));
         await x.eval('1 + 1', { context: REHEARSAL_CONTEXT });
         await x.ping();
+        // An idle child is asked whether it is quiet (vm.ts idlePass): the /proc entries that
+        // reads are the guest kernel's objects, made here once rather than in every child.
+        await x.request('quiet', {}).catch((e: unknown) => {
+          if (!(e instanceof AgentError && e.code === 'unknown_op')) throw e; // (an image's agent older than doze)
+        });
       });
     } finally {
       c.close();
