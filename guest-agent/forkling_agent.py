@@ -1546,16 +1546,25 @@ _X86_64 = os.uname().machine == 'x86_64'
 
 
 def _child_runs():
-    """Names a process the agent started (or adopted) that lives."""
-    try:
-        for tid in os.listdir('/proc/self/task'):
-            for pid in _read('/proc/self/task/%s/children' % tid).split():
+    """Names a process the agent started (or adopted) that lives. A thread
+    that ends hands its children to another thread of the agent, so a thread
+    gone (or a child moved) between the listing and the read is looked at
+    again, a few times, before the answer gets vague."""
+    for _ in range(3):
+        try:
+            tids = os.listdir('/proc/self/task')
+        except OSError:
+            break
+        for tid in tids:
+            try:
+                pids = _read('/proc/self/task/%s/children' % tid).split()
+            except OSError:
+                continue
+            for pid in pids:
                 try:
                     return 'process %s (%s) runs' % (pid, _read('/proc/%s/comm' % pid).strip())
                 except OSError:
                     return 'process %s runs' % pid
-    except OSError:
-        pass
     return 'a process besides the agent runs'
 
 

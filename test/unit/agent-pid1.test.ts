@@ -121,7 +121,7 @@ test('quiet: true while nothing but the agent would run; else it names the threa
   const p = await c.spawn(['sleep', '60']);
   r = await quiet();
   assert.is(r.quiet, false);
-  assert.match(r.busy ?? '', new RegExp(`^process ${p.pid} \\(sleep\\) runs$`));
+  assert.match(r.busy ?? '', new RegExp(`^process ${p.pid} \\(sleep\\) runs$`), `busy: ${r.busy}`);
   await p.kill();
   await p.done;
   assert.is((await until(true)).quiet, true, 'the process was killed and reaped');
