@@ -1543,6 +1543,7 @@ def _waits_untimed(line):
 
 
 _X86_64 = os.uname().machine == 'x86_64'
+_RUNNING_LOOKS = 20
 
 
 def _child_runs():
@@ -1599,8 +1600,15 @@ def quiet_check():
             continue
         try:
             line = _read('/proc/self/task/%s/syscall' % tid)
+            # A thread on its way to a wait (one that just sent an answer or output, or is
+            # ending) is seen running: looked at again for a few ms before it counts as busy.
+            for _ in range(_RUNNING_LOOKS):
+                if not line.startswith('running'):
+                    break
+                time.sleep(0.001)
+                line = _read('/proc/self/task/%s/syscall' % tid)
         except OSError:
-            continue
+            continue  # (it ended)
         if not _waits_untimed(line):
             try:
                 comm = _read('/proc/self/task/%s/comm' % tid).strip()

@@ -213,12 +213,14 @@ labTest("pattern: idle children map what they hold alike from their template's p
   }
 });
 
-labTest('doze: an idle child with nothing to run waits for input with its vCPUs out of KVM_RUN; input wakes it with the right time; a child with a timed wait does not doze', async () => {
+labTest('doze: an idle child with nothing to run waits for input with its vCPUs out of KVM_RUN; input wakes it with the right time; a child with a timed wait does not doze until it ended', async () => {
   const e = new KvmEngine({ reclaimIdleMs: 300, pattern: false });
   try {
     const [a, b] = await e.fork(NAME, 2);
     assert.is((await a!.agent.eval('WARM')).value, 'warm-42');
-    await b!.agent.eval('import threading, time\n_t = threading.Thread(target=time.sleep, args=(3600,), daemon=True)\n_t.start()');
+    // b's thread sleeps 15 s: b is asked again later (less often each time), and dozes once it ended.
+    await b!.agent.eval('import threading, time\n_t = threading.Thread(target=time.sleep, args=(15,), daemon=True)\n_t.start()');
+    const bAsked = Date.now();
     const deadline = Date.now() + 120_000;
     const counters = async (k: typeof a) => (await k!.stats()).counters;
     while ((await counters(a)).dozing !== 1 || b!.notQuiet === null) {
@@ -248,7 +250,13 @@ labTest('doze: an idle child with nothing to run waits for input with its vCPUs 
     assert.is((await a!.agent.eval('WARM + "!"')).value, 'warm-42!');
     const stalls = a!.console.filter((l) => /soft lockup|rcu.*stall|hung task/i.test(l));
     assert.equal(stalls, [], 'the guest reported a stall');
-    console.log(`    doze: dozed ${woke.dozes} time(s), ${woke.dozed_ms} ms; private ${still.guestPrivateKiB} KiB while dozing; b: ${b!.notQuiet}`);
+    const bBusy = b!.notQuiet;
+    while ((await counters(b)).dozing !== 1) {
+      assert.ok(Date.now() < bAsked + 120_000, `b never dozed after its thread ended: ${b!.notQuiet}`);
+      await new Promise((res) => setTimeout(res, 200));
+    }
+    assert.is(b!.notQuiet, null);
+    console.log(`    doze: dozed ${woke.dozes} time(s), ${woke.dozed_ms} ms; private ${still.guestPrivateKiB} KiB while dozing; b: ${bBusy}, then dozed ${((Date.now() - bAsked) / 1000).toFixed(1)} s after its thread started, unasked`);
   } finally {
     await e.close();
   }

@@ -117,6 +117,13 @@ test('quiet: true while nothing but the agent would run; else it names the threa
   r = await until(true);
   assert.is(r.quiet, true, `a thread that waits with no timeout: ${r.busy}`);
   await c.eval('_ev.set(); _t.join()');
+  // A thread that spins is busy (it is looked at again for a few ms only: a thread on its way to a wait is not).
+  await c.eval('_spin = True\ndef _spinner():\n    while _spin: pass\n_t = threading.Thread(target=_spinner, daemon=True)\n_t.start()');
+  r = await quiet();
+  await c.eval('_spin = False; _t.join()');
+  assert.is(r.quiet, false);
+  assert.match(r.busy ?? '', /^thread \d+ \(.*\) (runs|waits in futex with a timeout)$/, `busy: ${r.busy}`);
+  assert.is((await until(true)).quiet, true);
   // A process besides the agent.
   const p = await c.spawn(['sleep', '60']);
   r = await quiet();

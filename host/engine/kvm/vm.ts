@@ -223,7 +223,9 @@ export class KvmSandbox implements Sandbox {
     this.reclaimIdleMs = this.reclaimDelayMs = idleMs;
     this.dozeWanted = doze;
     this.client.onIdle(() => {
-      if (!this.askingQuiet) this.armReclaim();
+      if (this.askingQuiet) return;
+      this.notQuietRetryMs = 0;
+      this.armReclaim();
     });
     this.armReclaim();
   }
@@ -246,6 +248,7 @@ export class KvmSandbox implements Sandbox {
         .finally(() => {
           this.reclaiming = null;
           this.patternReady();
+          this.askAgainLater();
         });
     }, delayMs);
     this.reclaimTimer.unref();
@@ -271,6 +274,19 @@ export class KvmSandbox implements Sandbox {
     if (busy()) return;
     await this.reclaimSlices(busy);
     if (quiet && !busy() && this.vm) this.vm.doze();
+  }
+
+  /**
+   * A child that was not quiet at its idle pass (a thread in a timed wait, a
+   * process that runs) is asked again later, less often each time (up to once
+   * a minute) until input comes: what ran may end by itself, and then it dozes.
+   */
+  private notQuietRetryMs = 0;
+  private askAgainLater(): void {
+    if (!this.dozeWanted || this.notQuiet === null || this.noQuietOp || this.reclaimTimer || this.reclaimed.failed) return;
+    if (!this.vm || this.vm.dozing() || this.client?.inFlight !== 0) return;
+    this.notQuietRetryMs = Math.min(Math.max(this.notQuietRetryMs * 2, this.reclaimIdleMs), 60_000);
+    this.armReclaim(this.notQuietRetryMs);
   }
 
   /** The agent's `quiet`; false on any failure (an agent that has no such op is not asked again). */
