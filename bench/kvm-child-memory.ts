@@ -340,7 +340,8 @@ try {
   if (dozeOn && !rows.some((r) => r.dozing)) console.log(`  the child did not doze: ${sb.notQuiet ?? 'no idle pass asked'}`);
   if (layer) console.log(`  the pattern file: ${layer.pageCount * 4} KiB in ${layer.runCount} runs, one copy for every child of the template`);
   // Each run mapped from the pattern splits the RAM mapping: what that costs the host (VMAs).
-  console.log(`  mappings of this process (2 children): ${readFileSync('/proc/self/maps', 'utf8').trim().split('\n').length}`);
+  const pc = (await sb.stats()).counters;
+  console.log(`  mappings of this process (2 children): ${readFileSync('/proc/self/maps', 'utf8').trim().split('\n').length}; runs the child mapped from the pattern: ${pc.pattern_maps ?? 0} (${pc.pattern_maps_left ?? 0} more allowed)`);
   // What an idle child holds: classified now.
   const r = await sb.agent.exec(['python3', '-c', CLASSIFY], { stdin: new TextEncoder().encode(JSON.stringify(idle)) });
   if (r.exitCode !== 0) throw new Error(`classifying inside the guest failed: ${new TextDecoder().decode(r.stderr)}`);

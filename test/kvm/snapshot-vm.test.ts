@@ -593,6 +593,57 @@ restoreTest('pattern from three samples: a page where one alone holds other byte
   }
 });
 
+restoreTest("pattern bridges: a run is mapped in one piece over a child's own page, whose bytes stay; a page back to the template's bytes is given back to the template, not bridged", async () => {
+  const { make, made } = testVms();
+  try {
+    const spec = s.loadTemplate(tpl, 'template tiny');
+    const p = make({ restore: spec });
+    await p.more(1);
+    const page = (i: number) => 0x370000 + i * 4096;
+    const templateBytes = p.vm.guestBytes(page(4), 4096);
+    for (let i = 0; i < 6; i++) p.vm.writeGuestBytes(page(i), fill(0x70 + i));
+    const pattern = p.vm.capturePattern(dir);
+    p.vm.kill();
+
+    const c = make({ restore: spec });
+    await c.more(1);
+    // Held still while it is looked at (the guest's own pages map runs too: counted first).
+    c.vm.pause();
+    c.vm.setPattern(pattern);
+    c.vm.reclaim();
+    const before = c.vm.stats().counters.pattern_maps ?? 0;
+    for (const i of [0, 1, 3, 5]) c.vm.writeGuestBytes(page(i), fill(0x70 + i));
+    c.vm.writeGuestBytes(page(2), fill(0x01)); // its own bytes: bridged
+    c.vm.writeGuestBytes(page(4), fill(0x02));
+    c.vm.writeGuestBytes(page(4), templateBytes); // the template's bytes again: given back to the template
+    const r = c.vm.reclaim();
+    assert.ok(r.patternPages >= 4, `${r.patternPages} private pages mapped from the pattern`);
+    let now = frames(c);
+    for (const i of [0, 1, 3, 5]) {
+      assert.not.ok(now.includes(page(i) / 4096), `page ${i} mapped from the pattern`);
+      assert.equal(c.vm.guestBytes(page(i), 4096), fill(0x70 + i));
+    }
+    assert.ok(now.includes(page(2) / 4096), 'the bridged page is private');
+    assert.equal(c.vm.guestBytes(page(2), 4096), fill(0x01), "the bridged page keeps the child's bytes");
+    assert.not.ok(now.includes(page(4) / 4096), "a page back to the template's bytes is given back");
+    assert.equal(c.vm.guestBytes(page(4), 4096), templateBytes);
+    // One mapping over pages 0-3 (a bridge at 2), one for page 5: not one per stretch (0-1, 3, 5).
+    assert.is(c.vm.stats().counters.pattern_maps, before + 2);
+    // The bridged page falls back to the pattern: written to the pattern's bytes, it is given back.
+    c.vm.writeGuestBytes(page(2), fill(0x72));
+    c.vm.reclaim();
+    now = frames(c);
+    assert.not.ok(now.includes(page(2) / 4096), "a bridged page that holds the pattern's bytes again is given back");
+    assert.equal(c.vm.guestBytes(page(2), 4096), fill(0x72));
+    assert.is(c.vm.stats().counters.pattern_maps, before + 2);
+    c.vm.resume();
+    const n = await c.more(1);
+    assert.ok((await c.more(1)) > n, 'the guest goes on counting');
+  } finally {
+    for (const t of made) t.vm.kill();
+  }
+});
+
 restoreTest('killing children frees their memory: no mapping of the memory file is left', async () => {
   const memPath = join(tpl, 'memory.bin');
   const spec = s.loadTemplate(tpl, 'template tiny');

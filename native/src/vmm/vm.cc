@@ -18,6 +18,7 @@
 #include "vmm/mptable.h"
 #include "vmm/virtio_pci.h"
 #include "vmm/virtio_rng.h"
+#include "vmm/snapshot/pattern.h"
 #include "vmm/virtio_vsock.h"
 
 namespace forkling::vmm {
@@ -899,6 +900,10 @@ Vm::Stats Vm::GetStats() {
     s.counters.emplace_back("vsock_rx_packets", v.rx_packets);
     s.counters.emplace_back("vsock_bad_packets", v.bad_packets);
     s.counters.emplace_back("vsock_connections", v.connections);
+  }
+  if (const snapshot::PatternBacking* pb = pattern()) {
+    s.counters.emplace_back("pattern_maps", pb->maps());
+    s.counters.emplace_back("pattern_maps_left", pb->MapsLeft());
   }
   s.counters.emplace_back("host_vcpu_stack_bytes", stacks);
   s.counters.emplace_back("host_kvm_run_bytes", runs);

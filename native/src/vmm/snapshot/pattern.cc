@@ -35,8 +35,13 @@ void PatternBacking::Add(uint64_t first, uint64_t count) {
   merged.reserve(pages_.size() + count);
   std::set_union(pages_.begin(), pages_.end(), run.begin(), run.end(), std::back_inserter(merged));
   pages_ = std::move(merged);
-  maps_++;
-  g_process_maps++;
+  // A run mapped over or next to runs mapped before replaces or joins them (one file, one
+  // offset per page): a mapping per stretch of pages in a row.
+  size_t maps = 0;
+  for (size_t i = 0; i < pages_.size(); i++) maps += i == 0 || pages_[i] != pages_[i - 1] + 1;
+  g_process_maps += maps;
+  g_process_maps -= maps_;
+  maps_ = maps;
 }
 
 std::vector<uint64_t> WrittenPages(const Vm& vm) {

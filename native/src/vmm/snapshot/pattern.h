@@ -44,6 +44,9 @@ namespace forkling::vmm::snapshot {
 // Gaps between a pattern's private pages filled up to this many pages: the
 // child's bytes there are mostly the template's, so longer runs map at once.
 inline constexpr uint64_t kPatternMaxGap = 8;
+// A reclaim pass maps a pattern's run over up to this many private pages in a
+// row that hold other bytes (written back after: reclaim.cc), so as not to split it.
+inline constexpr uint64_t kPatternMaxBridge = 8;
 inline constexpr size_t kPatternMapsPerVm = 128;
 inline constexpr size_t kPatternMapsPerProcess = 16384;
 
@@ -61,6 +64,8 @@ class PatternBacking {
   bool Has(uint64_t page) const;
   // Runs this VM may still map (its own budget and the process's).
   size_t MapsLeft() const;
+  // Runs this VM has mapped.
+  size_t maps() const { return maps_; }
   // Records [first, first + count) as mapped from the pattern: one run.
   void Add(uint64_t first, uint64_t count);
   // No more runs for this VM (an mmap failed: mostly the limit on mappings).

@@ -104,12 +104,22 @@ void AddPause(ReclaimResult& r, uint64_t held_ns) {
   r.longest_pause_ns = std::max(r.longest_pause_ns, held_ns);
 }
 
+// Whether `host` (a private page) holds its snapshot's bytes again (`buf`: a page to read into):
+// such a page is given back to the snapshot, not bridged.
+bool HoldsSnapshot(const SnapshotPages& snap, const uint8_t* host, uint8_t* buf, uint64_t page) {
+  return snap.Read(page, buf) ? std::memcmp(host, buf, kPage) == 0 : IsZero(host);
+}
+
 // Maps the pattern's runs, within RAM pages [from, to), over the VM's pages
 // where these hold the pattern's bytes, if that shares at least one private
 // page (`priv`, sorted). Compared while the guest runs (a page not private is
 // the snapshot's: compared with that, not faulted into the mapping), then
-// again held still, as for dropping. Adds the pages now mapped from the
-// pattern to `mapped` and returns the page to go on from (`to`: done).
+// again held still, as for dropping. A short gap of private pages that hold
+// other bytes is bridged: mapped with the rest and its bytes written back
+// (private before and after), so that a run costs one mapping, not one per
+// stretch between such pages (each VM has kPatternMapsPerVm). Adds the pages
+// now shared with the pattern to `mapped` and returns the page to go on from
+// (`to`: done).
 uint64_t MapPattern(Vm& vm, PatternBacking& pb, const SnapshotPages& snap, const std::vector<uint64_t>& priv, uint64_t from,
                     uint64_t to, ReclaimResult& r, std::vector<uint64_t>& mapped) {
   const DiffLayer& layer = pb.layer();
@@ -119,7 +129,7 @@ uint64_t MapPattern(Vm& vm, PatternBacking& pb, const SnapshotPages& snap, const
   struct Span {
     uint64_t page = 0, count = 0;
     size_t copy = 0;    // its first page in `copies`
-    uint64_t gain = 0;  // private pages in it
+    uint64_t gain = 0;  // private pages in it that hold the pattern's bytes
   };
   std::vector<Span> spans;
   // The pattern's bytes of every span page; not zero-filled: only the slots used are written.
@@ -136,22 +146,31 @@ uint64_t MapPattern(Vm& vm, PatternBacking& pb, const SnapshotPages& snap, const
     for (auto q = std::lower_bound(priv.begin(), priv.end(), first); q != priv.end() && *q < end && !any; ++q) any = !pb.Has(*q);
     if (!any) continue;
     Span cur;
+    uint64_t tail = 0;  // bridged pages at the end of `cur`
     auto end_span = [&] {
+      cur.count -= tail;
+      copied -= tail;
       if (cur.gain) spans.push_back(cur);
       else copied -= cur.count;  // (the last pages copied)
       cur = Span();
+      tail = 0;
     };
     uint64_t p = first;
     for (; p < end && copied < kChunkPages; p++) {
       uint8_t* c = copies.get() + copied * kPage;
-      bool same = false;
-      if (!pb.Has(p)) {
-        layer.ReadPage(p, c);
-        const bool mine = is_priv(p);
-        if (mine) same = std::memcmp(ram.host() + p * kPage, c, kPage) == 0;
-        else same = snap.Read(p, snap_page) ? std::memcmp(snap_page, c, kPage) == 0 : IsZero(c);
+      // A page mapped from the pattern already is mapped again with the rest (the same file
+      // page: one mapping where there were two); one that holds the snapshot's bytes again
+      // is not bridged (it is given back to the snapshot instead).
+      const bool had = pb.Has(p);
+      bool same = false, bridge = false;
+      layer.ReadPage(p, c);
+      if (is_priv(p)) {
+        same = std::memcmp(ram.host() + p * kPage, c, kPage) == 0;
+        bridge = !same && cur.count && tail < kPatternMaxBridge && (had || !HoldsSnapshot(snap, ram.host() + p * kPage, snap_page, p));
+      } else {
+        same = had || (snap.Read(p, snap_page) ? std::memcmp(snap_page, c, kPage) == 0 : IsZero(c));
       }
-      if (!same) {
+      if (!same && !bridge) {
         end_span();
         continue;
       }
@@ -161,7 +180,8 @@ uint64_t MapPattern(Vm& vm, PatternBacking& pb, const SnapshotPages& snap, const
       }
       cur.count++;
       copied++;
-      cur.gain += is_priv(p);
+      tail = bridge ? tail + 1 : 0;
+      cur.gain += same && is_priv(p) && !had;
     }
     end_span();
     if (p < end) {  // the buffer is full: the next call goes on here
@@ -179,23 +199,38 @@ uint64_t MapPattern(Vm& vm, PatternBacking& pb, const SnapshotPages& snap, const
 
   HeldStill held(vm);
   const int base_fd = vm.origin()->memory_fd->get();
+  std::vector<uint64_t> bridged;  // pages of the range being built that keep their own bytes
   for (const Span& s : spans) {
     // Which pages are private now: a page that is not holds the snapshot's bytes, compared above.
     const std::vector<uint64_t> now = PrivatePages(ram.host() + s.page * kPage, s.count * kPage);
-    uint64_t start = 0, len = 0, gain = 0;
+    uint64_t start = 0, len = 0, gain = 0, tail = 0;
     auto map = [&] {
+      len -= tail;
+      bridged.resize(bridged.size() - tail);
+      tail = 0;
       if (!gain || !pb.MapsLeft()) {
         len = gain = 0;
+        bridged.clear();
         return;
       }
       const DiffRun* run = layer.Find(start);
       const off_t off = off_t(layer.data_offset() + (run->slot + start - run->page) * kPage);
       uint8_t* at = ram.host() + start * kPage;
       const uint64_t bytes = len * kPage;
+      // What the bridged pages hold goes back over the pattern's bytes once mapped, whatever happens.
+      std::vector<uint8_t> kept(bridged.size() * kPage);
+      for (size_t i = 0; i < bridged.size(); i++) std::memcpy(kept.data() + i * kPage, ram.host() + bridged[i] * kPage, kPage);
+      auto put_back = [&] {
+        for (size_t i = 0; i < bridged.size(); i++) std::memcpy(ram.host() + bridged[i] * kPage, kept.data() + i * kPage, kPage);
+      };
       if (mmap(at, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE, layer.fd(), off) != MAP_FAILED) {
         madvise(at, bytes, MADV_DONTDUMP);  // (as the rest of guest RAM; lets the VMAs merge)
+        put_back();
         pb.Add(start, len);
-        for (uint64_t i = 0; i < len; i++) mapped.push_back(start + i);
+        for (uint64_t i = 0, b = 0; i < len; i++) {
+          if (b < bridged.size() && bridged[b] == start + i) b++;
+          else mapped.push_back(start + i);
+        }
         r.pattern_pages += gain;
       } else {
         // Mostly the limit on mappings (the old mapping is then intact): no more runs for this VM.
@@ -203,7 +238,8 @@ uint64_t MapPattern(Vm& vm, PatternBacking& pb, const SnapshotPages& snap, const
         std::vector<unsigned char> in(len);
         if (mincore(at, bytes, in.data()) != 0 && errno == ENOMEM) {
           // Out of memory after the kernel unmapped the range: the memory
-          // file there again, with the bytes the guest had (the pattern's).
+          // file there again, with the bytes the guest had (the pattern's,
+          // and the bridged pages' own).
           if (mmap(at, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE, base_fd, off_t(start * kPage)) == MAP_FAILED) {
             held.KeepVsockHeld();  // (its loop must not touch the hole)
             vm.Fail("its RAM could not be mapped again after a failed mmap of its pattern (the host is out of memory)");
@@ -211,20 +247,29 @@ uint64_t MapPattern(Vm& vm, PatternBacking& pb, const SnapshotPages& snap, const
           }
           madvise(at, bytes, MADV_DONTDUMP);
           std::memcpy(at, copies.get() + (s.copy + start - s.page) * kPage, bytes);
+          put_back();
         }
       }
       len = gain = 0;
+      bridged.clear();
     };
     for (uint64_t i = 0; i < s.count; i++) {
       const uint64_t p = s.page + i;
       const bool mine = std::binary_search(now.begin(), now.end(), i);
-      if (mine && std::memcmp(ram.host() + p * kPage, copies.get() + (s.copy + i) * kPage, kPage) != 0) {
+      const bool same = !mine || std::memcmp(ram.host() + p * kPage, copies.get() + (s.copy + i) * kPage, kPage) == 0;
+      if (!same && (!len || tail == kPatternMaxBridge || (!pb.Has(p) && HoldsSnapshot(snap, ram.host() + p * kPage, snap_page, p)))) {
         map();
         continue;
       }
       if (!len) start = p;
       len++;
-      gain += mine;
+      if (same) {
+        tail = 0;
+        gain += mine && !pb.Has(p);
+      } else {
+        tail++;
+        bridged.push_back(p);
+      }
     }
     map();
   }
