@@ -35,8 +35,17 @@ void PatternBacking::Add(uint64_t first, uint64_t count) {
   merged.reserve(pages_.size() + count);
   std::set_union(pages_.begin(), pages_.end(), run.begin(), run.end(), std::back_inserter(merged));
   pages_ = std::move(merged);
+  Recount();
+}
+
+void PatternBacking::Remove(uint64_t first, uint64_t count) {
+  pages_.erase(std::lower_bound(pages_.begin(), pages_.end(), first), std::lower_bound(pages_.begin(), pages_.end(), first + count));
+  Recount();
+}
+
+void PatternBacking::Recount() {
   // A run mapped over or next to runs mapped before replaces or joins them (one file, one
-  // offset per page): a mapping per stretch of pages in a row.
+  // offset per page): about a mapping per stretch of pages in a row.
   size_t maps = 0;
   for (size_t i = 0; i < pages_.size(); i++) maps += i == 0 || pages_[i] != pages_[i - 1] + 1;
   g_process_maps += maps;

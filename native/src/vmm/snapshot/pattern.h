@@ -66,13 +66,17 @@ class PatternBacking {
   size_t MapsLeft() const;
   // Runs this VM has mapped.
   size_t maps() const { return maps_; }
-  // Records [first, first + count) as mapped from the pattern: one run.
+  // Records [first, first + count) as mapped from the pattern (joining stretches mapped before).
   void Add(uint64_t first, uint64_t count);
+  // Records [first, first + count) as the memory file's again (a failed mmap mapped it back).
+  void Remove(uint64_t first, uint64_t count);
   // No more runs for this VM (an mmap failed: mostly the limit on mappings).
   void Exhaust() { exhausted_ = true; }
 
  private:
   std::shared_ptr<const DiffLayer> layer_;
+  void Recount();
+
   std::vector<uint64_t> pages_;
   size_t maps_ = 0;
   bool exhausted_ = false;

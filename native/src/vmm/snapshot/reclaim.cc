@@ -248,6 +248,7 @@ uint64_t MapPattern(Vm& vm, PatternBacking& pb, const SnapshotPages& snap, const
           madvise(at, bytes, MADV_DONTDUMP);
           std::memcpy(at, copies.get() + (s.copy + start - s.page) * kPage, bytes);
           put_back();
+          pb.Remove(start, len);  // (pages mapped from the pattern before fall back to the file now)
         }
       }
       len = gain = 0;
