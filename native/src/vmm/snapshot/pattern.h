@@ -74,9 +74,9 @@ class PatternBacking {
   void Exhaust() { exhausted_ = true; }
 
  private:
-  std::shared_ptr<const DiffLayer> layer_;
-  void Recount();
+  void Recount();  // maps_ from pages_: a mapping per stretch of pages in a row
 
+  std::shared_ptr<const DiffLayer> layer_;
   std::vector<uint64_t> pages_;
   size_t maps_ = 0;
   bool exhausted_ = false;

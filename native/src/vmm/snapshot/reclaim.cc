@@ -104,10 +104,10 @@ void AddPause(ReclaimResult& r, uint64_t held_ns) {
   r.longest_pause_ns = std::max(r.longest_pause_ns, held_ns);
 }
 
-// Whether `host` (a private page) holds its snapshot's bytes again (`buf`: a page to read into):
-// such a page is given back to the snapshot, not bridged.
-bool HoldsSnapshot(const SnapshotPages& snap, const uint8_t* host, uint8_t* buf, uint64_t page) {
-  return snap.Read(page, buf) ? std::memcmp(host, buf, kPage) == 0 : IsZero(host);
+// Whether `bytes` are the snapshot's page `page` (`buf`: a page to read into). A private page
+// that holds them again is given back to the snapshot, not bridged.
+bool HoldsSnapshot(const SnapshotPages& snap, const uint8_t* bytes, uint8_t* buf, uint64_t page) {
+  return snap.Read(page, buf) ? std::memcmp(bytes, buf, kPage) == 0 : IsZero(bytes);
 }
 
 // Maps the pattern's runs, within RAM pages [from, to), over the VM's pages
@@ -168,7 +168,7 @@ uint64_t MapPattern(Vm& vm, PatternBacking& pb, const SnapshotPages& snap, const
         same = std::memcmp(ram.host() + p * kPage, c, kPage) == 0;
         bridge = !same && cur.count && tail < kPatternMaxBridge && (had || !HoldsSnapshot(snap, ram.host() + p * kPage, snap_page, p));
       } else {
-        same = had || (snap.Read(p, snap_page) ? std::memcmp(snap_page, c, kPage) == 0 : IsZero(c));
+        same = had || HoldsSnapshot(snap, c, snap_page, p);
       }
       if (!same && !bridge) {
         end_span();
