@@ -13,10 +13,12 @@ import * as assert from 'uvu/assert';
 import type { NativePreparedVm, NativeReclaim, NativeSnapshot, NativeVm, NativeVmEvent } from '../../host/engine/kvm/native-vm.ts';
 import { nativeVmClass } from '../../host/engine/kvm/native-vm.ts';
 import { sectionTag, snapshotNative } from '../../host/engine/kvm/snapshot-native.ts';
-import { labRetry } from './lab-flake.ts';
+import { labProgress, labRetry } from './lab-flake.ts';
 import { COUNTER_STEP, counterOf, writeTinyGuest } from './tiny-guest.ts';
 
 const dir = mkdtempSync(join(tmpdir(), 'forkling-snapvm-'));
+// (in the lab, where the test runs, on the console at once: if the lab freezes, it says where)
+const progress = labProgress('snapshot-vm.test');
 const kernel = writeTinyGuest(join(dir, 'tiny.elf'));
 const s = snapshotNative();
 const Vm = nativeVmClass();
@@ -144,6 +146,7 @@ function restoreTest(name: string, fn: () => Promise<void>): void {
     labRetry(
       name,
       async () => {
+        progress(`test: ${name}`);
         try {
           await fn();
         } catch (e) {

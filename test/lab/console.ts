@@ -18,7 +18,7 @@ export interface LabOutcome {
 const SUMMARY_RE = /^(\d+) passed, (\d+) failed$/;
 // (also as init.sh shows a soft lockup's report from dmesg: `kernel: [ ... ] ...`)
 const KERNEL_LOG_RE = /^(kernel: )?\[\s*\d+\.\d+\] /;
-const SOFT_LOCKUP_RE = /^\[\s*\d+\.\d+\] watchdog: BUG: soft lockup - CPU#\d+ stuck for (\d+)s!/;
+const SOFT_LOCKUP_RE = /^\[\s*\d+\.\d+\] watchdog: BUG: soft lockup - CPU#(\d+) stuck for (\d+)s!/;
 
 export class LabConsole {
   readonly stages = new Map<LabStage, number>();
@@ -29,6 +29,8 @@ export class LabConsole {
   lastLineAt: number;
   /** The longest time a CPU of the lab has been stuck in its kernel (a soft lockup report), seconds. */
   stuckS = 0;
+  /** Each CPU's last soft lockup report: seconds stuck, and when it came. */
+  readonly stuckByCpu = new Map<number, { s: number; at: number }>();
   /** When the lab's last heartbeat (LAB-BEAT, from its init) came; null before the first. */
   lastBeatAt: number | null = null;
   private readonly tail: string[] = [];
@@ -78,7 +80,10 @@ export class LabConsole {
     }
     if (!KERNEL_LOG_RE.test(line)) this.lastLineAt = this.now();
     const stuck = SOFT_LOCKUP_RE.exec(line);
-    if (stuck) this.stuckS = Math.max(this.stuckS, Number(stuck[1]));
+    if (stuck) {
+      this.stuckS = Math.max(this.stuckS, Number(stuck[2]));
+      this.stuckByCpu.set(Number(stuck[1]), { s: Number(stuck[2]), at: this.now() });
+    }
     this.tail.push(line);
     if (this.tail.length > this.keep) this.tail.shift();
     this.onLine(line);

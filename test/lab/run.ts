@@ -12,7 +12,7 @@
 //                           also means it froze (default 180)
 //   FORKLING_LAB_BEAT_S     no heartbeat (LAB-BEAT, every 20 s from the lab's init) for this long
 //                           also means it froze (default 150)
-//   FORKLING_LAB_CRASH_REBOOTS  boots again after a crash or freeze of the lab itself (default 5)
+//   FORKLING_LAB_CRASH_REBOOTS  boots again after a crash or freeze of the lab itself (default 8)
 //   FORKLING_LAB_MEM_MB     the lab machine's RAM (default 6144: nested guests take 1-2 GiB, the
 //                           store overlay and /tmp live in RAM; QEMU only backs what is touched)
 //   FORKLING_LAB_CPUS       its vCPUs (default 2)
@@ -45,6 +45,8 @@ const REPO = dirname(dirname(dirname(fileURLToPath(import.meta.url))));
 const LAB_DIR = join(REPO, '.lab');
 const SUMMARY = join(LAB_DIR, 'last-summary.json');
 const QEMU = 'qemu-system-x86_64';
+/** A soft lockup this long on every CPU of the lab at once ends the boot (see the watch in main). */
+const ALL_STUCK_S = 40;
 
 interface Summary {
   startedAt: number;
@@ -174,7 +176,12 @@ async function main(startedAt: number): Promise<Summary> {
   const watch = setInterval(() => {
     if (frozen || timedOut) return;
     const now = Date.now();
+    // Every CPU stuck at once has never come back (2026-12-04: both for 131 s, in kthreadd and the
+    // idle task, three boots in a row, until the heartbeat's limit): no need to wait that long.
+    const stuck = [...con.stuckByCpu.values()].filter((r) => r.s >= ALL_STUCK_S && now - r.at < 60_000);
+    const allStuck = stuck.length >= cpus;
     if (con.stuckS >= lockupS) frozen = `a CPU of the lab was stuck in its kernel for ${con.stuckS}s (soft lockup; FORKLING_LAB_LOCKUP_S=${lockupS})`;
+    else if (allStuck) frozen = `every CPU of the lab was stuck in its kernel for ${ALL_STUCK_S}s or more (soft lockups)`;
     else if (con.lastBeatAt !== null && now - con.lastBeatAt >= beatS * 1000) frozen = `no heartbeat from the lab's shell for ${beatS}s (FORKLING_LAB_BEAT_S)`;
     else if (now - con.lastLineAt >= silenceS * 1000) {
       const beat = con.lastBeatAt === null ? 'no heartbeat came' : `its heartbeat came ${((now - con.lastBeatAt) / 1000).toFixed(0)}s ago: its kernel ran`;
@@ -268,14 +275,15 @@ function finishedFiles(lines: string[]): Map<string, { total: number; passed: nu
  * When the lab machine itself crashed or froze, boot it again for the test
  * files that had not finished (or the whole FORKLING_LAB_COMMAND), and count
  * the finished ones as they ended. Said loudly each time; after
- * FORKLING_LAB_CRASH_REBOOTS reboots (default 5: one run on 2026-12-02 needed three; with the heartbeat a frozen lab costs minutes, not 11.5) another one fails the run.
+ * FORKLING_LAB_CRASH_REBOOTS reboots (default 8: one run on 2026-12-02 needed three, one on 2026-12-04
+ * four, and was killed before its fifth and last; a frozen lab costs minutes, not 11.5) another one fails the run.
  * Both are the lab's own kernel under QEMU's nested SVM, several times a day on
  * a loaded machine: a panic in one of our vCPU threads, no output at all while
  * both of the lab's CPUs spin, or one of its CPUs stuck in the kernel (a file
  * that froze it is run again, so one that does it every time still fails).
  */
 async function rerunAfterLabCrash(first: Summary, startedAt: number): Promise<Summary> {
-  const reboots = envWhole('FORKLING_LAB_CRASH_REBOOTS', 5, 0, 10);
+  const reboots = envWhole('FORKLING_LAB_CRASH_REBOOTS', 8, 0, 10);
   const filter = process.env.FORKLING_TEST_FILTER ? new RegExp(process.env.FORKLING_TEST_FILTER) : null;
   const all = readdirSync(join(REPO, 'test', 'kvm'))
     .filter((f) => f.endsWith('.test.ts'))

@@ -109,6 +109,9 @@ test("console: the lab kernel's soft lockup reports tell a stuck CPU, and its lo
   con.feed('[  803.2] watchdog: BUG: soft lockup - CPU#1 stuck for 396s! [node:383]\n');
   con.feed('[  810.0] watchdog: BUG: soft lockup - CPU#0 stuck for 23s! [node:390]\n');
   assert.is(con.stuckS, 396);
+  // (each CPU's last report, for the watch that ends a boot where every CPU is stuck at once)
+  assert.equal(con.stuckByCpu.get(1), { s: 396, at: 500 });
+  assert.equal(con.stuckByCpu.get(0), { s: 23, at: 500 });
   t = 600;
   con.feed('  [+] 3 more\n');
   assert.is(con.lastLineAt, 600);
