@@ -14,6 +14,14 @@
 //
 //   new vmmTesting.GuestRamProbe(path, size): read(gpa, len) -> Buffer | null,
 //     lost() -> boolean, close()
+//
+// And the bookkeeping of a VM's pattern runs (vmm/snapshot/pattern.h), no
+// pattern file needed: which pages are mapped from it, how many mappings that
+// costs, and the budget all VMs of the process share:
+//
+//   new vmmTesting.PatternBackingProbe(): add(first, count), remove(first, count),
+//     has(page), pages() -> number[], maps(), mapsLeft(), exhaust(), close();
+//     vmmTesting.patternMapsInProcess()
 #include <napi.h>
 #include <sys/mman.h>
 
@@ -24,6 +32,7 @@
 #include "errno_error.h"
 #include "js_uint.h"
 #include "vmm/guest_ram.h"
+#include "vmm/snapshot/pattern.h"
 #include "vmm/virtio_rng.h"
 #include "vmm/virtio_vsock.h"
 
@@ -435,12 +444,71 @@ class GuestRamProbe : public Napi::ObjectWrap<GuestRamProbe> {
   vmm::GuestRam ram_;
 };
 
+class PatternBackingProbe : public Napi::ObjectWrap<PatternBackingProbe> {
+ public:
+  static Napi::Function Define(Napi::Env env) {
+    return DefineClass(env, "PatternBackingProbe",
+                       {InstanceMethod("add", &PatternBackingProbe::Add), InstanceMethod("remove", &PatternBackingProbe::Remove),
+                        InstanceMethod("has", &PatternBackingProbe::Has), InstanceMethod("pages", &PatternBackingProbe::Pages),
+                        InstanceMethod("maps", &PatternBackingProbe::Maps), InstanceMethod("mapsLeft", &PatternBackingProbe::MapsLeft),
+                        InstanceMethod("exhaust", &PatternBackingProbe::Exhaust), InstanceMethod("close", &PatternBackingProbe::Close)});
+  }
+  // (no layer: the bookkeeping never reads it)
+  explicit PatternBackingProbe(const Napi::CallbackInfo& info)
+      : Napi::ObjectWrap<PatternBackingProbe>(info), pb_(std::make_unique<vmm::snapshot::PatternBacking>(nullptr)) {}
+
+ private:
+  static constexpr uint64_t kMaxPage = 1ull << 40;
+  vmm::snapshot::PatternBacking& live(Napi::Env env) {
+    if (!pb_) throw Napi::Error::New(env, "the probe is closed");
+    return *pb_;
+  }
+  std::pair<uint64_t, uint64_t> Range(const Napi::CallbackInfo& info) {
+    return {ToUint(info.Env(), info[0], "first", kMaxPage), ToUint(info.Env(), info[1], "count", 1 << 20)};
+  }
+  Napi::Value Add(const Napi::CallbackInfo& info) {
+    auto [first, count] = Range(info);
+    live(info.Env()).Add(first, count);
+    return info.Env().Undefined();
+  }
+  Napi::Value Remove(const Napi::CallbackInfo& info) {
+    auto [first, count] = Range(info);
+    live(info.Env()).Remove(first, count);
+    return info.Env().Undefined();
+  }
+  Napi::Value Has(const Napi::CallbackInfo& info) {
+    return Napi::Boolean::New(info.Env(), live(info.Env()).Has(ToUint(info.Env(), info[0], "page", kMaxPage)));
+  }
+  Napi::Value Pages(const Napi::CallbackInfo& info) {
+    const std::vector<uint64_t>& pages = live(info.Env()).pages();
+    Napi::Array out = Napi::Array::New(info.Env(), pages.size());
+    for (size_t i = 0; i < pages.size(); i++) out.Set(uint32_t(i), Napi::Number::New(info.Env(), double(pages[i])));
+    return out;
+  }
+  Napi::Value Maps(const Napi::CallbackInfo& info) { return Napi::Number::New(info.Env(), double(live(info.Env()).maps())); }
+  Napi::Value MapsLeft(const Napi::CallbackInfo& info) { return Napi::Number::New(info.Env(), double(live(info.Env()).MapsLeft())); }
+  Napi::Value Exhaust(const Napi::CallbackInfo& info) {
+    live(info.Env()).Exhaust();
+    return info.Env().Undefined();
+  }
+  Napi::Value Close(const Napi::CallbackInfo& info) {
+    pb_.reset();
+    return info.Env().Undefined();
+  }
+
+  std::unique_ptr<vmm::snapshot::PatternBacking> pb_;
+};
+
 }  // namespace
 
 void InitVmmTesting(Napi::Env env, Napi::Object exports) {
   Napi::Object t = Napi::Object::New(env);
   t.Set("VirtioTestDevice", VirtioTestDevice::Define(env));
   t.Set("GuestRamProbe", GuestRamProbe::Define(env));
+  t.Set("PatternBackingProbe", PatternBackingProbe::Define(env));
+  t.Set("patternMapsInProcess", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
+          return Napi::Number::New(info.Env(), double(vmm::snapshot::PatternMapsInProcess()));
+        }));
   exports.Set("vmmTesting", t);
 }
 

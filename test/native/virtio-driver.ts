@@ -81,9 +81,23 @@ export interface GuestRamProbe {
   close(): void;
 }
 
+/** The bookkeeping of a VM's pattern runs (native/src/vmm/snapshot/pattern.h), without a pattern file. */
+export interface PatternBackingProbe {
+  add(first: number, count: number): void;
+  remove(first: number, count: number): void;
+  has(page: number): boolean;
+  pages(): number[];
+  maps(): number;
+  mapsLeft(): number;
+  exhaust(): void;
+  close(): void;
+}
+
 interface VmmTesting {
   VirtioTestDevice: new (kind: 'rng' | 'vsock', options: TestDeviceOptions) => VirtioTestDevice;
   GuestRamProbe: new (path: string, size: number) => GuestRamProbe;
+  PatternBackingProbe: new () => PatternBackingProbe;
+  patternMapsInProcess(): number;
 }
 
 export function vmmTesting(): VmmTesting {

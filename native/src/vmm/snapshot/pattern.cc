@@ -17,6 +17,8 @@ namespace {
 std::atomic<size_t> g_process_maps{0};
 }  // namespace
 
+size_t PatternMapsInProcess() { return g_process_maps.load(); }
+
 PatternBacking::~PatternBacking() { g_process_maps -= maps_; }
 
 bool PatternBacking::Has(uint64_t page) const { return std::binary_search(pages_.begin(), pages_.end(), page); }

@@ -50,6 +50,9 @@ inline constexpr uint64_t kPatternMaxBridge = 8;
 inline constexpr size_t kPatternMapsPerVm = 128;
 inline constexpr size_t kPatternMapsPerProcess = 16384;
 
+// Runs mapped from patterns by all VMs of this process now (the budget above).
+size_t PatternMapsInProcess();
+
 // The pattern of one VM and which of its RAM pages are mapped from it now.
 class PatternBacking {
  public:
