@@ -135,6 +135,13 @@ uint64_t MapPattern(Vm& vm, PatternBacking& pb, const SnapshotPages& snap, const
   // The pattern's bytes of every span page; not zero-filled: only the slots used are written.
   std::unique_ptr<uint8_t[]> copies(new uint8_t[(kChunkPages + 1) * kPage]);
   uint8_t* const snap_page = copies.get() + kChunkPages * kPage;
+  // Whether private page `p`, whose bytes are not the pattern's, may be bridged (the same rule
+  // while the guest runs and again held still): inside a run (`run`: its pages so far), after
+  // fewer than kPatternMaxBridge such pages in a row (`tail`), unless it holds the snapshot's
+  // bytes again (it is given back to the snapshot instead; `had`: mapped from the pattern now).
+  auto bridgeable = [&](uint64_t p, bool had, uint64_t run, uint64_t tail) {
+    return run && tail < kPatternMaxBridge && (had || !HoldsSnapshot(snap, ram.host() + p * kPage, snap_page, p));
+  };
   size_t copied = 0;
   uint64_t next = to;
   const std::vector<DiffRun>& runs = layer.runs();
@@ -166,7 +173,7 @@ uint64_t MapPattern(Vm& vm, PatternBacking& pb, const SnapshotPages& snap, const
       layer.ReadPage(p, c);
       if (is_priv(p)) {
         same = std::memcmp(ram.host() + p * kPage, c, kPage) == 0;
-        bridge = !same && cur.count && tail < kPatternMaxBridge && (had || !HoldsSnapshot(snap, ram.host() + p * kPage, snap_page, p));
+        bridge = !same && bridgeable(p, had, cur.count, tail);
       } else {
         same = had || HoldsSnapshot(snap, c, snap_page, p);
       }
@@ -258,7 +265,7 @@ uint64_t MapPattern(Vm& vm, PatternBacking& pb, const SnapshotPages& snap, const
       const uint64_t p = s.page + i;
       const bool mine = std::binary_search(now.begin(), now.end(), i);
       const bool same = !mine || std::memcmp(ram.host() + p * kPage, copies.get() + (s.copy + i) * kPage, kPage) == 0;
-      if (!same && (!len || tail == kPatternMaxBridge || (!pb.Has(p) && HoldsSnapshot(snap, ram.host() + p * kPage, snap_page, p)))) {
+      if (!same && !bridgeable(p, pb.Has(p), len, tail)) {
         map();
         continue;
       }
