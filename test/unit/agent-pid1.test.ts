@@ -94,29 +94,25 @@ test('restore sets the hostname (in its UTS namespace) and adds entropy', async 
 
 test('quiet: true while nothing but the agent would run; else it names the thread, process or alarm', async () => {
   const quiet = () => c.request('quiet', {});
-  /** Asks until the answer is `want` (a zombie of an earlier test is reaped within ~1 s) or 5 s passed. */
-  const until = async (want: boolean) => {
+  type Quiet = Awaited<ReturnType<typeof quiet>>;
+  /** Asks until `ok` holds for the answer, or 5 s passed; returns the last answer. */
+  const askUntil = async (ok: (r: Quiet) => boolean) => {
     let r = await quiet();
-    for (let i = 0; i < 50 && r.quiet !== want; i++) {
-      await new Promise((res) => setTimeout(res, 100));
-      r = await quiet();
-    }
-    return r;
-  };
-  /**
-   * Asks until the busy reason matches `re`, or 5 s passed. Under load what was just started
-   * may for a while look like something else: a new thread still running on its way to its
-   * wait, a process not yet renamed by its exec (Popen returns once exec closed its error pipe,
-   * which the kernel does before it renames the process).
-   */
-  const busyUntil = async (re: RegExp) => {
-    let r = await quiet();
-    for (let i = 0; i < 250 && !re.test(r.busy ?? ''); i++) {
+    for (let i = 0; i < 250 && !ok(r); i++) {
       await new Promise((res) => setTimeout(res, 20));
       r = await quiet();
     }
     return r;
   };
+  /** Until the answer is `want` (a zombie of an earlier test is reaped within ~1 s). */
+  const until = (want: boolean) => askUntil((r) => r.quiet === want);
+  /**
+   * Until the busy reason matches `re`. Under load what was just started may for a while look
+   * like something else: a new thread still running on its way to its wait, a process not yet
+   * renamed by its exec (Popen returns once exec closed its error pipe, which the kernel does
+   * before it renames the process).
+   */
+  const busyUntil = (re: RegExp) => askUntil((r) => re.test(r.busy ?? ''));
   // An eval with a limit, done: the agent's watchdog then waits with no timeout (a template's
   // warm-up has a limit: its children would otherwise not be quiet until that deadline).
   assert.is((await c.eval('6 * 7', { timeoutMs: 600_000 })).value, 42);
