@@ -647,6 +647,74 @@ restoreTest("pattern bridges: a run is mapped in one piece over a child's own pa
   }
 });
 
+restoreTest("pattern, the host's limit on mappings reached: the kernel refuses the mmap, no byte changes, that VM maps no more and a sibling still does", async () => {
+  // A real refusal, not a simulated one: vm.max_map_count lowered to what this process
+  // maps now, for the one reclaim call (as root: in the lab, or on a KVM host as root).
+  const limitPath = '/proc/sys/vm/max_map_count';
+  if (process.getuid?.() !== 0) {
+    console.log('    (not root: the limit on mappings cannot be lowered here; not tested)');
+    return;
+  }
+  const { make, made } = testVms();
+  try {
+    const spec = s.loadTemplate(tpl, 'template tiny');
+    const p = make({ restore: spec });
+    await p.more(1);
+    const page = (i: number) => 0x3a0000 + i * 4096;
+    for (let i = 0; i < 4; i++) p.vm.writeGuestBytes(page(i), fill(0x80 + i));
+    const pattern = p.vm.capturePattern(dir);
+    p.vm.kill();
+
+    const c = make({ restore: spec });
+    const e = make({ restore: spec });
+    await Promise.all([c.more(1), e.more(1)]);
+    // Held still (one VM maps at a time: see the pattern test); the guest's own pages are counted first.
+    for (const t of [c, e]) {
+      t.vm.pause();
+      t.vm.setPattern(pattern);
+      t.vm.reclaim();
+    }
+    const mapsBefore = c.vm.stats().counters.pattern_maps ?? 0;
+    assert.ok((c.vm.stats().counters.pattern_maps_left ?? 0) > 0);
+    for (const t of [c, e]) for (let i = 0; i < 4; i++) t.vm.writeGuestBytes(page(i), fill(0x80 + i));
+    c.vm.writeGuestBytes(page(1), fill(0x01)); // its own bytes in the run: a bridge
+    const want = [fill(0x80), fill(0x01), fill(0x82), fill(0x83)];
+
+    const old = readFileSync(limitPath, 'utf8').trim();
+    const vmas = readFileSync('/proc/self/maps', 'utf8')
+      .trim()
+      .split('\n')
+      .filter((l) => !l.endsWith('[vsyscall]')).length; // (a gate page, not a mapping the limit counts)
+    let r: NativeReclaim;
+    writeFileSync(limitPath, String(vmas)); // no mapping can be split or added now
+    try {
+      r = c.vm.reclaim();
+    } finally {
+      writeFileSync(limitPath, old);
+    }
+    assert.is(r.patternPages, 0, 'nothing mapped from the pattern');
+    assert.is(c.vm.stats().counters.pattern_maps, mapsBefore);
+    assert.is(c.vm.stats().counters.pattern_maps_left, 0, 'a VM whose mmap failed maps no more');
+    const now = frames(c);
+    for (let i = 0; i < 4; i++) {
+      assert.ok(now.includes(page(i) / 4096), `page ${i} stays private`);
+      assert.equal(c.vm.guestBytes(page(i), 4096), want[i], `page ${i} keeps its bytes`);
+    }
+    // With room again: still none for this VM; its sibling maps as before.
+    assert.is(c.vm.reclaim().patternPages, 0);
+    const re = e.vm.reclaim();
+    assert.ok(re.patternPages >= 4, `the sibling mapped ${re.patternPages} private pages from the pattern`);
+    for (let i = 0; i < 4; i++) assert.equal(e.vm.guestBytes(page(i), 4096), fill(0x80 + i));
+    for (const t of [c, e]) {
+      t.vm.resume();
+      const n = await t.more(1);
+      assert.ok((await t.more(1)) > n, 'the guest goes on counting');
+    }
+  } finally {
+    for (const t of made) t.vm.kill();
+  }
+});
+
 restoreTest('killing children frees their memory: no mapping of the memory file is left', async () => {
   const memPath = join(tpl, 'memory.bin');
   const spec = s.loadTemplate(tpl, 'template tiny');
