@@ -19,7 +19,7 @@ import { dirname, join } from 'node:path';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import type { Sandbox } from '../../host/engine/engine.ts';
-import { CgroupTree } from '../../host/engine/process/cgroups.ts';
+import { type Cgroup, CgroupTree } from '../../host/engine/process/cgroups.ts';
 import { ProcessEngine } from '../../host/engine/process/engine.ts';
 import { storePath } from '../../host/store.ts';
 import { labProgress } from './lab-flake.ts';
@@ -94,6 +94,15 @@ v2Test('each sandbox in a cgroup v2 of its own: its limits, a memory hog killed 
       assert.match(read(d, 'cpu.max'), /^100000 100000$/, 'one vCPU: one period of CPU time per period');
       assert.is(await val(s, 'WARM'), 42);
     }
+    // A CPU limit set again (as the engine raises a zygote's while its forks are set up there), and the
+    // zygote's back to the template's once its forks are in their own cgroups.
+    const calmCg = (calm as unknown as { cgroup: Cgroup }).cgroup;
+    engine.cgroups.setCpuLimit(calmCg, 2.5);
+    assert.is(read(dirs[1]!, 'cpu.max'), '250000 100000');
+    engine.cgroups.setCpuLimit(calmCg, 1);
+    assert.is(read(dirs[1]!, 'cpu.max'), '100000 100000');
+    const zygoteCg = readFileSync(`/proc/${engine.zygotePid(TEMPLATE)}/cgroup`, 'utf8').match(/^0::(.*)$/m)![1]!;
+    assert.is(read(join(CG, zygoteCg), 'cpu.max'), '100000 100000', "the zygote's own limit again");
     progress('memory hog');
     const hogRun = val(hog, 'x = []\nwhile True: x.append(b"y" * (8 << 20))').catch((e: Error) => e);
     assert.is(await val(calm, 'WARM + 1'), 43, 'a sibling answers while the hog grows');

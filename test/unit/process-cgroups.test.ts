@@ -56,7 +56,7 @@ test('a sandbox cgroup with cgroups made below it (as its root can without root 
   }
 });
 
-test('a sandbox cgroup limits memory, memory + swap where the kernel accounts swap, pids and cpu', () => {
+test('a sandbox cgroup limits memory, memory + swap where the kernel accounts swap, pids and cpu (set again later)', () => {
   const tree = new CgroupTree(`forkling-p${process.pid}-654321`);
   if (tree.mode === 'none') {
     console.log(`  (no cgroups here: ${tree.warning}; skipped)`);
@@ -79,6 +79,9 @@ test('a sandbox cgroup limits memory, memory + swap where the kernel accounts sw
       assert.is(read('cpu.max'), '50000 100000');
     }
     assert.is(read('pids.max'), '33');
+    // (as the engine raises a zygote's while its forks are set up there)
+    tree.setCpuLimit(cg, 3);
+    assert.is(read(tree.mode === 'v1' ? 'cpu.cfs_quota_us' : 'cpu.max'), tree.mode === 'v1' ? '300000' : '300000 100000');
   } finally {
     void tree.remove(cg).finally(() => tree.close());
   }

@@ -5,6 +5,7 @@
 import { spawnSync } from 'node:child_process';
 import { randomBytes } from 'node:crypto';
 import { chownSync, existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, statSync } from 'node:fs';
+import { availableParallelism } from 'node:os';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { test } from 'uvu';
@@ -12,7 +13,7 @@ import * as assert from 'uvu/assert';
 import type { AgentClient } from '../../host/agent/client.ts';
 import type { Sandbox } from '../../host/engine/engine.ts';
 import { connectAgent } from '../../host/engine/process/agent-socket.ts';
-import { ProcessEngine } from '../../host/engine/process/engine.ts';
+import { ProcessEngine, zygoteCpus } from '../../host/engine/process/engine.ts';
 import { ensureImage } from '../../host/images.ts';
 import { storePath } from '../../host/store.ts';
 import { pollUntil } from '../../host/util/poll.ts';
@@ -793,6 +794,42 @@ test('KSM opt-in: forks of a ksm engine have all their memory mergeable; by defa
   } finally {
     await e2.close();
   }
+});
+
+test("a fork's set-up runs with the zygote's CPU limit raised by its forks' share (at most the host's CPUs), the template's again once they are in their own cgroups", async () => {
+  const z = (engine as unknown as { zygotes: Map<string, { cgroup: { dirs: string[] } | null; limits: { cpus: number } }> }).zygotes.get(TEMPLATE)!;
+  const cpuFile = (z.cgroup?.dirs ?? []).flatMap((d) => ['cpu.cfs_quota_us', 'cpu.max'].map((f) => join(d, f))).find((f) => existsSync(f));
+  if (!cpuFile) {
+    console.log('  (no cpu cgroup here: not checked)');
+    return;
+  }
+  const quota = () => Number(readFileSync(cpuFile, 'utf8').trim().split(' ')[0]);
+  const own = quota();
+  assert.is(own, Math.round(z.limits.cpus * 100000));
+  const n = 12;
+  const want = Math.round(zygoteCpus(z.limits.cpus, n, availableParallelism()) * 100000);
+  let most = own;
+  let forking = true;
+  const watch = (async () => {
+    while (forking) {
+      most = Math.max(most, quota());
+      await new Promise((r) => setTimeout(r, 1));
+    }
+  })();
+  const kids = await engine.fork(TEMPLATE, n);
+  forking = false;
+  await watch;
+  try {
+    assert.is(most, want, `the zygote's CPU quota while its forks were set up: ${most}, not ${want}`);
+    assert.is(quota(), own, "the template's own once its forks are in their own cgroups");
+  } finally {
+    await Promise.all(kids.map((k) => k.kill()));
+  }
+  // The share: the template's vCPUs for the zygote and for each fork, no more than the host has, no less than the template's.
+  assert.is(zygoteCpus(1, 12, 2), 2);
+  assert.is(zygoteCpus(1, 3, 16), 4);
+  assert.is(zygoteCpus(2, 0, 16), 2);
+  assert.is(zygoteCpus(4, 10, 2), 4);
 });
 
 test('killing children frees their memory, files, processes and cgroups', async () => {

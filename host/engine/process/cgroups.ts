@@ -228,6 +228,13 @@ function empty(dir: string): void {
   }
 }
 
+/** `cpus` CPUs' worth of time per 100 ms period (a new cgroup's period is the kernel's default, 100000 µs). */
+function writeCpuLimit(dir: string, cpus: number, mode: 'v1' | 'v2'): void {
+  const quota = Math.max(1000, Math.round(cpus * 100000));
+  if (mode === 'v1') writeFileSync(join(dir, 'cpu.cfs_quota_us'), String(quota));
+  else writeFileSync(join(dir, 'cpu.max'), `${quota} 100000`);
+}
+
 /**
  * A v1 memory cgroup's limit, and its memory + swap limit to the same (as v2's
  * memory.swap.max 0: else a sandbox could swap its way past its limit; the
@@ -332,8 +339,7 @@ export class CgroupTree {
           cg.procs.push(join(dir, 'cgroup.procs'));
           if (c === 'memory') writeV1MemoryLimit(dir, limits.memoryBytes);
           if (c === 'pids') writeFileSync(join(dir, 'pids.max'), String(limits.pids));
-          // (a new cgroup's cpu.cfs_period_us is the kernel's default, 100000 µs)
-          if (c === 'cpu') writeFileSync(join(dir, 'cpu.cfs_quota_us'), String(Math.max(1000, Math.round(limits.cpus * 100000))));
+          if (c === 'cpu') writeCpuLimit(dir, limits.cpus, 'v1');
         }
       } else if (this.v2dir) {
         const dir = join(this.v2dir, name);
@@ -348,7 +354,7 @@ export class CgroupTree {
           if (existsSync(swap)) writeFileSync(swap, '0');
         }
         if (ctl.includes('pids')) writeFileSync(join(dir, 'pids.max'), String(limits.pids));
-        if (ctl.includes('cpu')) writeFileSync(join(dir, 'cpu.max'), `${Math.max(1000, Math.round(limits.cpus * 100000))} 100000`);
+        if (ctl.includes('cpu')) writeCpuLimit(dir, limits.cpus, 'v2');
       }
     } catch (e) {
       for (const d of cg.dirs) rmdirState(d); // (empty yet: nothing in it)
@@ -365,6 +371,14 @@ export class CgroupTree {
       } else if (existsSync(join(d, 'memory.max'))) {
         writeFileSync(join(d, 'memory.max'), String(bytes));
       }
+    }
+  }
+
+  /** Sets the cgroup's CPU limit (CPUs' worth of time per period: as create()). */
+  setCpuLimit(cg: Cgroup, cpus: number): void {
+    for (const d of cg.dirs) {
+      if (existsSync(join(d, 'cpu.cfs_quota_us'))) writeCpuLimit(d, cpus, 'v1');
+      else if (existsSync(join(d, 'cpu.max'))) writeCpuLimit(d, cpus, 'v2');
     }
   }
 

@@ -8,6 +8,7 @@
 import { randomBytes } from 'node:crypto';
 import { closeSync, existsSync, lstatSync, mkdirSync, readdirSync, readFileSync } from 'node:fs';
 import { Socket } from 'node:net';
+import { availableParallelism } from 'node:os';
 import { dirname, join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import type { AgentClient } from '../../agent/client.ts';
@@ -183,6 +184,21 @@ interface Zygote extends Root {
   memoryLimit: number;
   /** What a fork copies of the warm-up's /dev/shm in its set-up (read once the warm-up has run). */
   shmBytes: number;
+  /** Children of its fork requests not moved into their own cgroups yet, and its cgroup's CPU limit now (see forkCpu). */
+  forking: number;
+  cpuLimit: number;
+}
+
+/**
+ * The CPU limit of a zygote's cgroup while `forking` of its forks are set up
+ * there (forked, namespaces, mounts, agent: all before the host moves each into
+ * its own cgroup): the template's vCPUs for the zygote and as many again for
+ * each such fork, as each will have in its own cgroup, but no more than the
+ * host's CPUs. With the template's limit alone (1 vCPU by default) the set-up
+ * of a fork of 100 ran on one CPU's time however many the host had.
+ */
+export function zygoteCpus(templateCpus: number, forking: number, hostCpus: number): number {
+  return Math.max(templateCpus, Math.min(hostCpus, templateCpus * (1 + forking)));
 }
 
 /** At most n holders at a time, first come first served. */
@@ -774,7 +790,7 @@ export class ProcessEngine implements Engine {
       await this.destroyRoot(root);
       throw e;
     }
-    const z: Zygote = { ...root, info, client, limits, dead: false, spares: [], refilling: null, refillNow: null, requests: new Gate(2), prepared: null, patterned: false, memoryLimit: limits.memoryBytes, shmBytes: 0 };
+    const z: Zygote = { ...root, info, client, limits, dead: false, spares: [], refilling: null, refillNow: null, requests: new Gate(2), prepared: null, patterned: false, memoryLimit: limits.memoryBytes, shmBytes: 0, forking: 0, cpuLimit: limits.cpus };
     void client.closed
       .then(() => {
         z.dead = true;
@@ -993,6 +1009,12 @@ export class ProcessEngine implements Engine {
     const op = sub === 's' ? 'fork' : 'branch';
     const children = ids.map((id) => ({ id, hostname: id }));
     if (!source) this.forkAllowance(zygote!, n);
+    let forking = source ? 0 : n; // (counted in the zygote's CPU limit until they are in their own cgroups)
+    const moved = () => {
+      if (forking) this.forkCpu(zygote!, -forking);
+      forking = 0;
+    };
+    if (forking) this.forkCpu(zygote!, forking);
     const cgroups = new Map<string, Cgroup | null>();
     const made: ProcessSandbox[] = [];
     let slowestMoveMs = 0; // (the first move after a quiet spell may wait for an RCU grace period: doctor's "cgroup moves")
@@ -1096,6 +1118,7 @@ export class ProcessEngine implements Engine {
           }),
       );
       leave(); // each child is in its own cgroup now (entered before the first await above), or failed
+      moved();
       const results = await settled;
       this.lastSpawn = {
         n,
@@ -1111,6 +1134,7 @@ export class ProcessEngine implements Engine {
       return ids.map((id) => made.find((s) => s.id === id)!);
     } catch (e) {
       leave();
+      moved();
       killFound();
       await Promise.all(made.map((s) => s.kill()));
       await reply.catch(() => {});
@@ -1131,6 +1155,19 @@ export class ProcessEngine implements Engine {
       z.memoryLimit = want;
     } catch (e) {
       this.warn(`forkling: raising the memory limit of the zygote of ${z.info.name} for its forks failed: ${(e as Error).message}`);
+    }
+  }
+
+  /** Counts `delta` more (or fewer) of the zygote's forks in its cgroup and sets its CPU limit to match (zygoteCpus). */
+  private forkCpu(z: Zygote, delta: number): void {
+    z.forking += delta;
+    const want = zygoteCpus(z.limits.cpus, z.forking, availableParallelism());
+    if (!z.cgroup || z.dead || want === z.cpuLimit) return;
+    try {
+      this.cgroups.setCpuLimit(z.cgroup, want);
+      z.cpuLimit = want;
+    } catch (e) {
+      this.warn(`forkling: setting the CPU limit of the zygote of ${z.info.name} for its forks failed: ${(e as Error).message}`);
     }
   }
 
