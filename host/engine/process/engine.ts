@@ -848,15 +848,21 @@ export class ProcessEngine implements Engine {
 
   /** What the first fork would do: freeze the template, start the fork server; and wait (up to 10 s) for its pattern. Once. */
   private prepared(z: Zygote): Promise<void> {
-    z.prepared ??= z.client.request('fork', { children: [] }).then(
-      () => {
-        z.patterned = true;
-      },
-      (e) => {
-        z.prepared = null; // the next prepare (or fork) tries again
-        throw e;
-      },
-    );
+    if (!z.prepared) {
+      this.forkCpu(z, 1); // (the template's pattern child is a fork set up in the zygote's cgroup too)
+      z.prepared = z.client
+        .request('fork', { children: [] })
+        .then(
+          () => {
+            z.patterned = true;
+          },
+          (e) => {
+            z.prepared = null; // the next prepare (or fork) tries again
+            throw e;
+          },
+        )
+        .finally(() => this.forkCpu(z, -1));
+    }
     return z.prepared;
   }
 
