@@ -1006,21 +1006,21 @@ export class ProcessEngine implements Engine {
       ? [source.agent, source.hostPid, 'b' as const, source.limits, source.template, undefined]
       : [zygote!.client, zygote!.pid, 's' as const, zygote!.limits, zygote!.info.name, zygote!.requests];
     await gate?.enter();
+    // A zygote's request holds a place at its gate and counts its children in its CPU limit
+    // (forkCpu) while they may be in its cgroup; both are given back together.
     let holding = gate !== undefined;
+    if (holding) this.forkCpu(zygote!, n);
     const leave = () => {
-      if (holding) gate!.leave();
+      if (holding) {
+        gate!.leave();
+        this.forkCpu(zygote!, -n);
+      }
       holding = false;
     };
     const ids = Array.from({ length: n }, newId);
     const op = sub === 's' ? 'fork' : 'branch';
     const children = ids.map((id) => ({ id, hostname: id }));
     if (!source) this.forkAllowance(zygote!, n);
-    let forking = source ? 0 : n; // (counted in the zygote's CPU limit until they are in their own cgroups)
-    const moved = () => {
-      if (forking) this.forkCpu(zygote!, -forking);
-      forking = 0;
-    };
-    if (forking) this.forkCpu(zygote!, forking);
     const cgroups = new Map<string, Cgroup | null>();
     const made: ProcessSandbox[] = [];
     let slowestMoveMs = 0; // (the first move after a quiet spell may wait for an RCU grace period: doctor's "cgroup moves")
@@ -1124,7 +1124,6 @@ export class ProcessEngine implements Engine {
           }),
       );
       leave(); // each child is in its own cgroup now (entered before the first await above), or failed
-      moved();
       const results = await settled;
       this.lastSpawn = {
         n,
@@ -1140,7 +1139,6 @@ export class ProcessEngine implements Engine {
       return ids.map((id) => made.find((s) => s.id === id)!);
     } catch (e) {
       leave();
-      moved();
       killFound();
       await Promise.all(made.map((s) => s.kill()));
       await reply.catch(() => {});
