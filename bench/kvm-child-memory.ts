@@ -15,6 +15,9 @@
 // what children hold alike from the template's pattern: pattern.ts),
 // --no-doze (an idle child with nothing to run does not doze: its vCPUs go
 // on running, and its timer ticks write pages again between passes),
+// --no-pack (a dozing child's private pages are not packed: vm.ts idlePass;
+// with packing, the analyses below write them back first, and --trace-idle
+// sees the pages written back, not the ones the guest wrote),
 // --kernel-args '<extra guest kernel arguments for the template>',
 // --trace-idle (which kernel variables an idle child writes: the bytes of the
 // guest kernel's data and bss are copied after the passes and compared 8 s
@@ -42,6 +45,7 @@ const { values } = parseArgs({
     'no-reclaim': { type: 'boolean', default: false },
     'no-pattern': { type: 'boolean', default: false },
     'no-doze': { type: 'boolean', default: false },
+    'no-pack': { type: 'boolean', default: false },
     'kernel-args': { type: 'string', default: '' },
     'trace-idle': { type: 'boolean', default: false },
     'why-private': { type: 'boolean', default: false },
@@ -263,7 +267,8 @@ const reclaimOn = !values['no-reclaim'];
 const patternOn = reclaimOn && !values['no-pattern'];
 const IDLE_MS = 1000;
 const dozeOn = reclaimOn && !values['no-doze'];
-const engine = new KvmEngine({ reclaimIdleMs: reclaimOn ? IDLE_MS : 0, pattern: patternOn, doze: dozeOn });
+const packOn = dozeOn && !values['no-pack'];
+const engine = new KvmEngine({ reclaimIdleMs: reclaimOn ? IDLE_MS : 0, pattern: patternOn, doze: dozeOn, pack: packOn });
 const name = `child-memory-${process.pid}`;
 try {
   await labRetry('template boot', () =>
@@ -286,16 +291,19 @@ try {
   }
   const sb = child!;
   const vm = sb.nativeVm();
-  const rows: { what: string; priv: number; zero: number; pattern: number; passes: number; dozing: boolean }[] = [];
-  const row = (what: string) => {
+  const rows: { what: string; priv: number; packed: number; all: number; zero: number | null; pattern: number; passes: number; dozing: boolean }[] = [];
+  const row = async (what: string) => {
+    const all = (await sb.stats()).privateKiB;
     const m = vm.memoryUsage();
-    // (all-zero private pages: what the guest freed since the fork, zeroed as it frees)
-    const zero = frames(sb).filter((f) => vm.guestBytes(f * 4096, 4096).every((b) => b === 0)).length * 4;
-    rows.push({ what, priv: m.guestPrivateBytes / 1024, zero, pattern: m.guestPatternBytes / 1024, passes: sb.reclaimed.passes, dozing: vm.stats().counters.dozing === 1 });
+    const c = vm.stats().counters;
+    // (all-zero private pages: what the guest freed since the fork, zeroed as it frees; not read
+    // while packed: a read writes the packed pages back)
+    const zero = c.packed_bytes ? null : frames(sb).filter((f) => vm.guestBytes(f * 4096, 4096).every((b) => b === 0)).length * 4;
+    rows.push({ what, priv: m.guestPrivateBytes / 1024, packed: (c.packed_bytes ?? 0) / 1024, all, zero, pattern: m.guestPatternBytes / 1024, passes: sb.reclaimed.passes, dozing: c.dozing === 1 });
   };
-  row('restore answered (ready)');
+  await row('restore answered (ready)');
   for (const k of [sb, sibling!]) if ((await k.agent.eval('1 + 1')).value !== 2) throw new Error('first eval: wrong answer');
-  row('first eval answered');
+  await row('first eval answered');
   // (passes after the eval: with --trace-idle the scout's request may let some run before it)
   const passesBefore = sb.reclaimed.passes;
   // The engine's passes: the first after 1 s idle; the pattern is built meanwhile by a hidden
@@ -309,34 +317,48 @@ try {
     await until('the first idle pass', () => sb.reclaimed.passes > passesBefore || !!sb.reclaimed.failed, 120_000);
   }
   if (sb.reclaimed.failed) throw new Error(`a reclaim pass failed: ${sb.reclaimed.failed}`);
-  row('after the idle passes');
+  await row('after the idle passes');
   const passed = new Set(frames(sb));
   const why = values['why-private'] ? whyPrivate(sb, sibling!, [...passed], name) : null;
   const dataBase = layout?.spans['Kernel data']?.[0] ?? 0;
   const dataEnd = layout?.spans['Kernel bss']?.[1] ?? 0;
   const dataBefore = layout ? vm.guestBytes(dataBase, dataEnd - dataBase) : null;
   await new Promise((r) => setTimeout(r, 8000));
+  await row('idle 8 s later');
+  if (packOn) vm.guestBytes(0, 1); // (written back, still dozing: the pages it holds, compared and classified below)
   const idle = frames(sb);
   const changed = layout && dataBefore ? changedSymbols(vm, layout, dataBase, dataBefore) : null;
   const other = sibling!.nativeVm();
   const alike = idle.filter((f) => vm.guestBytes(f * 4096, 4096).equals(other.guestBytes(f * 4096, 4096))).length;
-  row('idle 8 s later');
   if (reclaimOn) {
     await sb.reclaim();
-    row('after one more pass');
+    await row('after one more pass');
   }
   // The child still works after its pages were given back or mapped from the pattern.
   const check = await sb.agent.eval('import hashlib; hashlib.sha256(bytes(range(256)) * 4096).hexdigest()');
   const want = createHash('sha256').update(Buffer.concat(Array.from({ length: 4096 }, () => Buffer.from(Array.from({ length: 256 }, (_, i) => i))))).digest('hex');
   if (check.value !== want) throw new Error(`eval after reclaim: wrong answer ${String(check.value)}`);
-  row('another eval answered');
+  await row('another eval answered');
+  const unpackUs = vm.stats().counters.last_unpack_us;
+  if (packOn) {
+    // Idle again: the engine's pass, the doze and the pack, as after the first eval.
+    const packs = vm.stats().counters.packs ?? 0;
+    await until('a pack after the eval', () => (vm.stats().counters.packs ?? 0) > packs || !!sb.reclaimed.failed, 120_000);
+    await row('idle again');
+  }
   const layer = engine.patternOf(name)?.layer;
   console.log(
-    `\nprivate guest memory of one forked child (image ${values.image}, warm-up ${JSON.stringify(values.warmup)}, init_on_free=${values['no-init-on-free'] ? 0 : 1}, kernel args ${JSON.stringify(values['kernel-args'])}, idle passes ${reclaimOn ? `after ${IDLE_MS} ms` : 'off'}, pattern ${patternOn ? 'on' : 'off'}, doze ${dozeOn ? 'on' : 'off'})`,
+    `\nprivate guest memory of one forked child (image ${values.image}, warm-up ${JSON.stringify(values.warmup)}, init_on_free=${values['no-init-on-free'] ? 0 : 1}, kernel args ${JSON.stringify(values['kernel-args'])}, idle passes ${reclaimOn ? `after ${IDLE_MS} ms` : 'off'}, pattern ${patternOn ? 'on' : 'off'}, doze ${dozeOn ? 'on' : 'off'}, pack ${packOn ? 'on' : 'off'})`,
   );
-  console.log(`  ${'step'.padEnd(28)} ${'private'.padStart(10)} ${'of it all zero'.padStart(15)} ${'from the pattern'.padStart(17)} ${'passes'.padStart(7)} ${'dozing'.padStart(7)}`);
+  console.log(
+    `  ${'step'.padEnd(28)} ${'private'.padStart(10)} ${'packed'.padStart(10)} ${'both'.padStart(10)} ${'the child'.padStart(10)} ${'of it all zero'.padStart(15)} ${'from the pattern'.padStart(17)} ${'passes'.padStart(7)} ${'dozing'.padStart(7)}`,
+  );
   for (const r of rows)
-    console.log(`  ${r.what.padEnd(28)} ${`${r.priv} KiB`.padStart(10)} ${`${r.zero} KiB`.padStart(15)} ${`${r.pattern} KiB`.padStart(17)} ${String(r.passes).padStart(7)} ${(r.dozing ? 'yes' : 'no').padStart(7)}`);
+    console.log(
+      `  ${r.what.padEnd(28)} ${`${r.priv} KiB`.padStart(10)} ${`${r.packed} KiB`.padStart(10)} ${`${r.priv + r.packed} KiB`.padStart(10)} ${`${r.all} KiB`.padStart(10)} ${(r.zero === null ? '-' : `${r.zero} KiB`).padStart(15)} ${`${r.pattern} KiB`.padStart(17)} ${String(r.passes).padStart(7)} ${(r.dozing ? 'yes' : 'no').padStart(7)}`,
+    );
+  console.log(`  the child: its figure in the engine's stats() (private and packed guest memory, and its host-side structures: vCPU stacks, kvm_run, the host's and KVM's page tables for its RAM)`);
+  if (packOn) console.log(`  packed: the store of a dozing child's pages, each kept as the bytes in which it differs from what backs it; the eval after the passes wrote them back in ${unpackUs} µs (lab: emulated)`);
   if (dozeOn && !rows.some((r) => r.dozing)) console.log(`  the child did not doze: ${sb.notQuiet ?? 'no idle pass asked'}`);
   if (layer) console.log(`  the pattern file: ${layer.pageCount * 4} KiB in ${layer.runCount} runs, one copy for every child of the template`);
   // Each run mapped from the pattern splits the RAM mapping: what that costs the host (VMAs).

@@ -21,6 +21,7 @@
 #include "vmm/snapshot/memory_file.h"
 #include "vmm/snapshot/pagemap.h"
 #include "vmm/snapshot/pattern.h"
+#include "vmm/snapshot/packed_pages.h"
 #include "vmm/snapshot/reclaim.h"
 #include "vmm/snapshot/state_file.h"
 #include "vmm/snapshot/vm_snapshot.h"
@@ -338,6 +339,21 @@ Napi::Value VmReclaim(const Napi::CallbackInfo& info, vmm::Vm& vm) {
   });
 }
 
+Napi::Value VmPack(const Napi::CallbackInfo& info, vmm::Vm& vm) {
+  return Guard(info.Env(), [&]() -> Napi::Value {
+    ss::PackResult r = vm.Pack();
+    Napi::Env env = info.Env();
+    Napi::Object o = Napi::Object::New(env);
+    o.Set("packed", Napi::Boolean::New(env, r.packed));
+    o.Set("privatePages", Napi::Number::New(env, double(r.private_pages)));
+    o.Set("packedPages", Napi::Number::New(env, double(r.packed_pages)));
+    o.Set("keptPages", Napi::Number::New(env, double(r.kept_pages)));
+    o.Set("hostBytes", Napi::Number::New(env, double(r.host_bytes)));
+    o.Set("totalUs", Napi::Number::New(env, double(r.total_ns) / 1000.0));
+    return o;
+  });
+}
+
 Napi::Value VmCapturePattern(const Napi::CallbackInfo& info, vmm::Vm& vm) {
   return Guard(info.Env(), [&]() -> Napi::Value {
     const char* usage = "capturePattern(dir, others?: Vm[])";
@@ -373,6 +389,7 @@ Napi::Value VmGuestBytes(const Napi::CallbackInfo& info, vmm::Vm& vm) {
     if (!info[1].IsNumber()) throw std::invalid_argument("guestBytes(gpa, length)");
     const uint64_t n = ToU64(info.Env(), info[1], "length");
     if (n < 1 || n > (64u << 20)) throw std::invalid_argument("length must be 1..64 MiB");
+    vm.Unpack();  // (the guest's bytes, not a packed page's backing)
     uint8_t* p = GuestSpan(info, vm, n);
     return Napi::Buffer<uint8_t>::Copy(info.Env(), p, size_t(n));
   });
@@ -383,6 +400,7 @@ Napi::Value VmWriteGuestBytes(const Napi::CallbackInfo& info, vmm::Vm& vm) {
     uint8_t* src;
     size_t n;
     if (!Bytes(info[1], &src, &n)) throw std::invalid_argument("writeGuestBytes(gpa, bytes)");
+    vm.Unpack();
     uint8_t* p = GuestSpan(info, vm, n);
     std::memcpy(p, src, n);
     return info.Env().Undefined();

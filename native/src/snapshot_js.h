@@ -24,6 +24,8 @@ Napi::Value VmBranch(const Napi::CallbackInfo& info, vmm::Vm& vm);
 Napi::Value VmMemoryUsage(const Napi::CallbackInfo& info, vmm::Vm& vm);
 // vm.reclaim(): drops the private pages that equal the snapshot's again (vmm/snapshot/reclaim.h).
 Napi::Value VmReclaim(const Napi::CallbackInfo& info, vmm::Vm& vm);
+// vm.pack(): a dozing VM's private pages packed (vmm/snapshot/packed_pages.h).
+Napi::Value VmPack(const Napi::CallbackInfo& info, vmm::Vm& vm);
 // vm.capturePattern(dir, others?) -> diff layer; vm.setPattern(layer) (vmm/snapshot/pattern.h).
 Napi::Value VmCapturePattern(const Napi::CallbackInfo& info, vmm::Vm& vm);
 // The live VM of a Vm object (vmm_binding.cc); throws std::invalid_argument for anything else.

@@ -163,6 +163,7 @@ class VmWrap : public Napi::ObjectWrap<VmWrap> {
                         InstanceMethod("branch", &VmWrap::Branch),
                         InstanceMethod("memoryUsage", &VmWrap::MemoryUsage),
                         InstanceMethod("reclaim", &VmWrap::Reclaim),
+                        InstanceMethod("pack", &VmWrap::Pack),
                         InstanceMethod("capturePattern", &VmWrap::CapturePattern),
                         InstanceMethod("setPattern", &VmWrap::SetPattern),
                         InstanceMethod("guestBytes", &VmWrap::GuestBytes),
@@ -279,6 +280,7 @@ class VmWrap : public Napi::ObjectWrap<VmWrap> {
   Napi::Value Branch(const Napi::CallbackInfo& info) { return VmBranch(info, Live(info.Env())); }
   Napi::Value MemoryUsage(const Napi::CallbackInfo& info) { return VmMemoryUsage(info, Live(info.Env())); }
   Napi::Value Reclaim(const Napi::CallbackInfo& info) { return VmReclaim(info, Live(info.Env())); }
+  Napi::Value Pack(const Napi::CallbackInfo& info) { return VmPack(info, Live(info.Env())); }
   Napi::Value CapturePattern(const Napi::CallbackInfo& info) { return VmCapturePattern(info, Live(info.Env())); }
   Napi::Value SetPattern(const Napi::CallbackInfo& info) { return VmSetPattern(info, Live(info.Env())); }
   Napi::Value GuestBytes(const Napi::CallbackInfo& info) { return VmGuestBytes(info, Live(info.Env())); }

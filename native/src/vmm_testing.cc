@@ -22,6 +22,11 @@
 //   new vmmTesting.PatternBackingProbe(): add(first, count), remove(first, count),
 //     has(page), pages() -> number[], maps(), mapsLeft(), exhaust(), close();
 //     vmmTesting.patternMapsInProcess()
+//
+// And packing (vmm/snapshot/packed_pages.h) without a VM:
+//
+//   vmmTesting.packRoundTrip(pages, bases, ramPages?) -> {added, packedPages,
+//     encodedBytes, hostBytes, applied, restored}
 #include <napi.h>
 #include <sys/mman.h>
 
@@ -32,6 +37,7 @@
 #include "errno_error.h"
 #include "js_uint.h"
 #include "vmm/guest_ram.h"
+#include "vmm/snapshot/packed_pages.h"
 #include "vmm/snapshot/pattern.h"
 #include "vmm/virtio_rng.h"
 #include "vmm/virtio_vsock.h"
@@ -506,6 +512,34 @@ void InitVmmTesting(Napi::Env env, Napi::Object exports) {
   t.Set("VirtioTestDevice", VirtioTestDevice::Define(env));
   t.Set("GuestRamProbe", GuestRamProbe::Define(env));
   t.Set("PatternBackingProbe", PatternBackingProbe::Define(env));
+  // packRoundTrip(pages, bases, ramPages?): pages i of `pages` packed against
+  // pages i of `bases` (vmm/snapshot/packed_pages.h), then written back over
+  // a copy of `bases` as into RAM of ramPages pages (default: all of them).
+  t.Set("packRoundTrip", Napi::Function::New(env, [](const Napi::CallbackInfo& info) -> Napi::Value {
+          Napi::Env env = info.Env();
+          if (!info[0].IsBuffer() || !info[1].IsBuffer()) throw Napi::TypeError::New(env, "packRoundTrip(pages, bases, ramPages?)");
+          auto pages = info[0].As<Napi::Buffer<uint8_t>>(), bases = info[1].As<Napi::Buffer<uint8_t>>();
+          if (pages.Length() != bases.Length() || pages.Length() % 4096 != 0)
+            throw Napi::RangeError::New(env, "pages and bases: the same whole number of 4096-byte pages");
+          const uint64_t n = pages.Length() / 4096;
+          const uint64_t ram_pages = info[2].IsNumber() ? ToUint(env, info[2], "ramPages", n) : n;
+          vmm::snapshot::PackedPages store;
+          Napi::Array added = Napi::Array::New(env, n);
+          for (uint64_t i = 0; i < n; i++)
+            added.Set(uint32_t(i), Napi::Boolean::New(env, store.Add(i, pages.Data() + i * 4096, bases.Data() + i * 4096)));
+          const uint64_t encoded = store.encoded_bytes();
+          store.Seal();
+          Napi::Buffer<uint8_t> out = Napi::Buffer<uint8_t>::Copy(env, bases.Data(), bases.Length());
+          const bool applied = store.Apply(out.Data(), ram_pages);
+          Napi::Object o = Napi::Object::New(env);
+          o.Set("added", added);
+          o.Set("packedPages", Napi::Number::New(env, double(store.pages())));
+          o.Set("encodedBytes", Napi::Number::New(env, double(encoded)));
+          o.Set("hostBytes", Napi::Number::New(env, double(store.host_bytes())));
+          o.Set("applied", Napi::Boolean::New(env, applied));
+          o.Set("restored", out);
+          return o;
+        }));
   t.Set("patternMapsInProcess", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
           return Napi::Number::New(info.Env(), double(vmm::snapshot::PatternMapsInProcess()));
         }));

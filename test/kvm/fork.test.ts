@@ -256,7 +256,64 @@ labTest('doze: an idle child with nothing to run waits for input with its vCPUs 
       await new Promise((res) => setTimeout(res, 200));
     }
     assert.is(b!.notQuiet, null);
-    console.log(`    doze: dozed ${woke.dozes} time(s), ${woke.dozed_ms} ms; private ${still.guestPrivateKiB} KiB while dozing; b: ${bBusy}, then dozed ${((Date.now() - bAsked) / 1000).toFixed(1)} s after its thread started, unasked`);
+    console.log(`    doze: dozed ${woke.dozes} time(s), ${woke.dozed_ms} ms; private ${still.guestPrivateKiB} KiB and packed ${still.packedKiB} KiB while dozing; b: ${bBusy}, then dozed ${((Date.now() - bAsked) / 1000).toFixed(1)} s after its thread started, unasked`);
+  } finally {
+    await e.close();
+  }
+});
+
+labTest('pack: a dozing child keeps its private pages as the bytes that differ, in less room; reads, input and a branch get every byte back', async () => {
+  const e = new KvmEngine({ reclaimIdleMs: 300, pattern: false });
+  try {
+    const [a] = await e.fork(NAME, 1);
+    const k = a!;
+    const vm = k.nativeVm();
+    await k.agent.eval('import hashlib, os\nBLOB = bytearray(os.urandom(200000))\nDIGEST = hashlib.sha256(BLOB).hexdigest()');
+    const counters = async () => (await k.stats()).counters;
+    const deadline = Date.now() + 120_000;
+    while ((await counters()).packs! < 1) {
+      assert.ok(Date.now() < deadline, `no pack: ${k.notQuiet ?? 'quiet'}, ${JSON.stringify(k.lastPack)}`);
+      await new Promise((res) => setTimeout(res, 100));
+    }
+    // The engine packed it after its doze: what it gave back is counted as the store's size.
+    const first = await counters();
+    const p = k.lastPack!;
+    assert.ok(p.packed && p.packedPages > 0 && first.dozing === 1, JSON.stringify(p));
+    assert.is(first.packed_pages, p.packedPages);
+    assert.is(first.guestPrivateKiB, p.keptPages * 4, 'the packed pages were given back');
+    assert.ok(first.packed_bytes! > 0 && first.packed_bytes! < p.packedPages * 4096, `${first.packed_bytes} bytes for ${p.packedPages} pages`);
+    assert.is(first.packedKiB, first.packed_bytes! / 1024);
+    const stats = await k.stats();
+    assert.ok(stats.privateKiB >= first.guestPrivateKiB! + first.packedKiB!, 'the store is in the child\'s private memory');
+    // Every byte back: a read of guest RAM writes the pages back first (still dozing); those bytes, packed again and read again, are the same.
+    vm.guestBytes(0, 1);
+    assert.is((await counters()).unpacks, 1);
+    const frames = [...(vm.memoryUsage({ frames: true }).privateFrames ?? [])];
+    assert.ok(frames.length > p.keptPages, `${frames.length} private pages once written back`);
+    const before = frames.map((f) => vm.guestBytes(f * 4096, 4096));
+    const again = vm.pack();
+    assert.ok(again.packed, JSON.stringify(again));
+    assert.is(again.privatePages, frames.length);
+    assert.ok(vm.memoryUsage().guestPrivateBytes < frames.length * 4096);
+    const after = frames.map((f) => vm.guestBytes(f * 4096, 4096));
+    const differ = frames.filter((_, i) => !after[i]!.equals(before[i]!));
+    assert.equal(differ, [], 'pages unlike what they were before the pack');
+    // Input writes them back before the guest runs: its state is whole.
+    assert.ok(vm.pack().packed, 'packed again (still dozing)');
+    assert.is((await k.agent.eval('hashlib.sha256(BLOB).hexdigest() == DIGEST')).value, true);
+    const woke = await counters();
+    assert.is(woke.packed_pages, 0);
+    assert.is(woke.unpacks, 3);
+    assert.is(vm.pack().packed, false, 'an awake VM is not packed');
+    // A branch of a packed child (its pause writes them back) continues from its state.
+    while ((await counters()).packs! < 4) {
+      assert.ok(Date.now() < deadline, `no second pack by the engine: ${k.notQuiet ?? 'quiet'}`);
+      await new Promise((res) => setTimeout(res, 100));
+    }
+    const [c] = await e.branch(k, 1);
+    assert.is((await c!.agent.eval('BLOB[7] = (BLOB[7] + 1) % 256; hashlib.sha256(BLOB).hexdigest() == DIGEST')).value, false);
+    assert.is((await k.agent.eval('hashlib.sha256(BLOB).hexdigest() == DIGEST')).value, true);
+    console.log(`    pack: ${p.privatePages} private pages, ${p.packedPages} packed into ${first.packed_bytes! / 1024} KiB, ${p.keptPages} kept; written back in ${woke.last_unpack_us} µs`);
   } finally {
     await e.close();
   }

@@ -93,11 +93,22 @@ export interface PatternBackingProbe {
   close(): void;
 }
 
+/** Packing without a VM (native/src/vmm/snapshot/packed_pages.h): pages packed against their bases, then written back over the bases. */
+export interface PackRoundTrip {
+  added: boolean[];
+  packedPages: number;
+  encodedBytes: number;
+  hostBytes: number;
+  applied: boolean;
+  restored: Uint8Array;
+}
+
 interface VmmTesting {
   VirtioTestDevice: new (kind: 'rng' | 'vsock', options: TestDeviceOptions) => VirtioTestDevice;
   GuestRamProbe: new (path: string, size: number) => GuestRamProbe;
   PatternBackingProbe: new () => PatternBackingProbe;
   patternMapsInProcess(): number;
+  packRoundTrip(pages: Uint8Array, bases: Uint8Array, ramPages?: number): PackRoundTrip;
 }
 
 export function vmmTesting(): VmmTesting {

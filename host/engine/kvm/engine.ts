@@ -82,6 +82,12 @@ export interface KvmEngineOptions {
    * timer ticks write no pages (KvmSandbox.reclaimWhenIdle; default true).
    */
   doze?: boolean;
+  /**
+   * A dozing child's private pages are packed: each kept as the bytes in which
+   * it differs from its template's (or pattern's) page, and given back, until
+   * input wakes it (KvmSandbox.idlePass, native-vm.ts `pack`; default true).
+   */
+  pack?: boolean;
   /** Called with a line about slow first-use work (building the image `default`, creating the template `default`); default: nothing. */
   progress?: (line: string) => void;
 }
@@ -234,7 +240,7 @@ export class KvmEngine implements Engine {
 
   private async track(children: KvmSandbox[]): Promise<KvmSandbox[]> {
     await this.adopt(children);
-    for (const c of children) c.reclaimWhenIdle(this.reclaimIdleMs(), this.opts.doze !== false);
+    for (const c of children) c.reclaimWhenIdle(this.reclaimIdleMs(), { doze: this.opts.doze !== false, pack: this.opts.pack !== false });
     return children;
   }
 

@@ -82,6 +82,19 @@ export interface NativeVmStats {
   counters: Record<string, number>;
 }
 
+export interface NativePack {
+  /** Whether the VM holds packed pages now. */
+  packed: boolean;
+  privatePages: number;
+  /** Given back (their differing bytes kept). */
+  packedPages: number;
+  /** Left private: too unlike what backs them. */
+  keptPages: number;
+  /** Host memory the packed bytes take (page-rounded). */
+  hostBytes: number;
+  totalUs: number;
+}
+
 export interface NativeVm {
   start(): void;
   /** Returns once every vCPU is out of KVM_RUN. */
@@ -127,6 +140,15 @@ export interface NativeVm {
    * from RAM page `fromPage` on, at most `maxPages` of them (default: all).
    */
   reclaim(opts?: { fromPage?: number; maxPages?: number }): NativeReclaim;
+  /**
+   * A restored VM that dozes: each private page kept as the bytes in which it
+   * differs from what backs it (pattern or snapshot), in one mapping of the
+   * host's, and given back; written back before anything reads or runs its
+   * RAM again (input wakes it). Nothing when it does not doze or is packed.
+   * Counters `packed_pages`, `packed_bytes` (the store), `packs`, `unpacks`,
+   * `last_unpack_us` (vmm/snapshot/packed_pages.h).
+   */
+  pack(): NativePack;
   /**
    * A restored VM: its private pages (and small gaps between them) as a
    * pattern, an unlinked diff file in `dir`, for its siblings (vmm/snapshot/pattern.h).

@@ -123,7 +123,7 @@ export class Patterns {
       // Idle as long as a child before its first pass, then that pass as a child runs it, together:
       // the quiet question and the doze too (a child that dozes holds the pages of that moment).
       await new Promise((res) => setTimeout(res, idleMs).unref());
-      await Promise.all(hidden.map((sb) => sb.idlePass({ doze: this.build.doze })));
+      await Promise.all(hidden.map((sb) => sb.idlePass({ doze: this.build.doze, pack: false })));  // (captured next: nothing to pack)
       const [first, ...others] = hidden;
       p.layer = first!.nativeVm().capturePattern(
         this.build.dir(),

@@ -9,7 +9,7 @@ import { join } from 'node:path';
 import { type AgentClient, AgentError, answeredWithin } from '../../agent/client.ts';
 import { UserError } from '../../errors.ts';
 import type { ExitInfo, Sandbox, SandboxStats } from '../engine.ts';
-import { type NativePreparedVm, type NativeSnapshot, type NativeVm, type NativeVmEvent, nativeVmClass } from './native-vm.ts';
+import { type NativePack, type NativePreparedVm, type NativeSnapshot, type NativeVm, type NativeVmEvent, nativeVmClass } from './native-vm.ts';
 import type { PatternSource } from './pattern.ts';
 import { connectAgent, VsockConnectError } from './vsock.ts';
 
@@ -209,6 +209,9 @@ export class KvmSandbox implements Sandbox {
   // run without input waits for input with its vCPUs out of KVM_RUN, so its
   // timer ticks write no pages (~200 KiB within seconds) and cost no CPU.
   private dozeWanted = false;
+  private packWanted = false;
+  /** The last pack of this child's pages (idlePass), or null. */
+  lastPack: NativePack | null = null;
   /** The agent's `quiet` request of an idle pass in flight (its settling is not the user's idle). */
   private askingQuiet = false;
   /** Why the last idle pass did not doze (the agent's answer), or null. */
@@ -216,12 +219,14 @@ export class KvmSandbox implements Sandbox {
 
   /**
    * Reclaims `idleMs` after the agent last went idle (0: never); with `doze`,
-   * a child that is quiet then dozes until input comes.
+   * a child that is quiet then dozes until input comes, and with `pack` too
+   * (both default true), its private pages are packed while it dozes.
    */
-  reclaimWhenIdle(idleMs: number, doze = true): void {
+  reclaimWhenIdle(idleMs: number, opts: { doze?: boolean; pack?: boolean } = {}): void {
     if (!this.spec.restore || !(idleMs > 0) || !this.client) return;
     this.reclaimIdleMs = this.reclaimDelayMs = idleMs;
-    this.dozeWanted = doze;
+    this.dozeWanted = opts.doze !== false;
+    this.packWanted = this.dozeWanted && opts.pack !== false;
     this.client.onIdle(() => {
       if (this.askingQuiet) return;
       this.notQuietRetryMs = 0;
@@ -257,11 +262,11 @@ export class KvmSandbox implements Sandbox {
   /**
    * What an idle child does at its idle time: asks whether the guest is quiet
    * (first: the question writes pages the pass gives back), runs a pass, and
-   * dozes if it is and `doze` (default: as reclaimWhenIdle said). Stops where
+   * dozes if it is and `doze`, then packs if `pack` (defaults: as reclaimWhenIdle said). Stops where
    * `busy` says a request came. The pattern's hidden children run it too, so
    * that the pattern holds what a child holds when it dozes (pattern.ts).
    */
-  async idlePass(opts: { busy?: () => boolean; doze?: boolean } = {}): Promise<void> {
+  async idlePass(opts: { busy?: () => boolean; doze?: boolean; pack?: boolean } = {}): Promise<void> {
     const busy = opts.busy ?? (() => false);
     const started = this.client?.started ?? 0;
     let quiet = (opts.doze ?? this.dozeWanted) && !this.vm?.dozing() && (await this.askQuiet());
@@ -274,6 +279,8 @@ export class KvmSandbox implements Sandbox {
     if (busy()) return;
     await this.reclaimSlices(busy);
     if (quiet && !busy() && this.vm) this.vm.doze();
+    // Dozing (now or since before a pass that only mapped from the pattern): packed until input comes.
+    if ((opts.pack ?? this.packWanted) && this.vm?.dozing() && !busy()) this.lastPack = this.vm.pack();
   }
 
   /**
@@ -522,8 +529,10 @@ export class KvmSandbox implements Sandbox {
     const host = { memoryBytes: s.memoryBytes, hostKiB: hostBytes / 1024, hostPageTableKiB: m.guestTableBytes / 1024, hostNptKiB: nptBytes / 1024 };
     if (this.spec.restore) {
       // A restored VM maps its template: count only the guest pages it owns alone.
+      // A dozing child's packed pages (native-vm.ts pack) are its guest memory held in the host's.
+      const packedBytes = c.packed_bytes ?? 0;
       return {
-        privateKiB: Math.round((m.guestPrivateBytes + hostBytes) / 1024),
+        privateKiB: Math.round((m.guestPrivateBytes + packedBytes + hostBytes) / 1024),
         counters: {
           ...c,
           ...host,
@@ -532,6 +541,7 @@ export class KvmSandbox implements Sandbox {
           reclaimPasses: this.reclaimed.passes,
           reclaimedKiB: this.reclaimed.pages * 4,
           patternKiB: m.guestPatternBytes / 1024,
+          packedKiB: packedBytes / 1024,
         },
       };
     }

@@ -413,6 +413,8 @@ void VirtioVsock::Loop() {
         }
       }
     };
+    std::lock_guard<std::mutex> pass(pass_mu_);
+    if (before_pass_) guarded(before_pass_);
     guarded([&] {
       for (int i = 0; i < n && !stop_; i++) {
         const uint64_t token = events[i].data.u64;

@@ -161,6 +161,14 @@ class VirtioVsock : public VirtioDevice {
   // close) before it is handled: the VMM wakes a dozing guest (vm.h Doze).
   // Set before the device is activated.
   void OnHostInput(std::function<void()> fn) { on_host_input_ = std::move(fn); }
+  // Called on the event loop at the start of each of its passes, before it
+  // reads or writes guest RAM (the VMM unpacks packed pages: vm.h Pack).
+  // Set before the device is activated.
+  void BeforePass(std::function<void()> fn) { before_pass_ = std::move(fn); }
+  // Holds the event loop between two passes for as long as the lock is held
+  // (it reads and writes guest RAM only in a pass). Not with Pause or Reset
+  // in the same thread: those wait for the loop.
+  std::unique_lock<std::mutex> HoldLoop() { return std::unique_lock<std::mutex>(pass_mu_); }
   State SaveState() const;
   void RestoreState(const GuestMemory& mem, const State& state, NotifyGuest notify_guest);
 
@@ -236,6 +244,8 @@ class VirtioVsock : public VirtioDevice {
   Virtqueue queues_[3];
   NotifyGuest notify_;
   std::function<void()> on_host_input_;
+  std::function<void()> before_pass_;
+  std::mutex pass_mu_;  // held by the loop for each pass (HoldLoop)
   bool event_reset_owed_ = false;  // a transport reset event still to deliver
   std::unordered_map<uint64_t, std::unique_ptr<Conn>> conns_;  // by id
   std::unordered_map<uint64_t, Conn*> by_ports_;               // (host_port << 32 | guest_port)

@@ -18,6 +18,7 @@
 #include "vmm/mptable.h"
 #include "vmm/virtio_pci.h"
 #include "vmm/virtio_rng.h"
+#include "vmm/snapshot/packed_pages.h"
 #include "vmm/snapshot/pattern.h"
 #include "vmm/virtio_vsock.h"
 
@@ -263,6 +264,7 @@ void Vm::SetupDevices() {
       throw std::runtime_error(std::string("vsock: ") + e.what());
     }
     vsock_->OnHostInput([this] { Wake(); });
+    vsock_->BeforePass([this] { Unpack(); });
     add(vsock_, "virtio-vsock");
   }
   if (cfg_.rng) add(std::make_shared<VirtioRng>(), "virtio-rng");
@@ -465,6 +467,10 @@ void Vm::VcpuLoop(uint32_t index) {
         paused_count_--;
         continue;
       }
+    }
+    if (packed_flag_.load()) {
+      Unpack();
+      continue;  // (the checks above again: its writes may have met a file cut short)
     }
     // (EINVAL: the guest has no kvm-clock; nothing to tell it)
     if (v.clock_stopped.exchange(false)) ioctl(v.fd, KVM_KVMCLOCK_CTRL, 0);
@@ -680,6 +686,7 @@ void Vm::Pause() {
     pause_requested_ = true;
   }
   WaitStopped();
+  Unpack();  // (the owner may read or save its RAM now)
 }
 
 void Vm::Resume() {
@@ -717,6 +724,54 @@ void Vm::Hold() {
     holds_++;
   }
   if (started_ && !stop_flag_) WaitStopped();
+  Unpack();  // (a holder reads or writes RAM)
+}
+
+snapshot::PackResult Vm::Pack() {
+  snapshot::PackResult r;
+  if (!origin_ || !started_ || stop_flag_ || !dozing_ || packed_flag_) return r;
+  Hold();
+  struct Let {
+    Vm* vm;
+    ~Let() { vm->Release(); }
+  } let{this};
+  // The vsock loop between two of its passes, the other writer (and reader) of guest RAM; its
+  // next pass unpacks first (BeforePass). Taken after the hold: a vCPU may wait for that loop.
+  std::unique_lock<std::mutex> loop;
+  if (vsock_) loop = vsock_->HoldLoop();
+  std::lock_guard<std::mutex> pl(pack_mu_);
+  {
+    std::lock_guard<std::mutex> l(run_mu_);
+    if (!dozing_ || stop_flag_ || packed_) return r;  // (woken meanwhile)
+  }
+  try {
+    snapshot::PackPages(*this, packed_, r);
+  } catch (...) {
+    packed_flag_ = packed_ != nullptr;  // (what was dropped is in the store)
+    throw;
+  }
+  if (packed_) {
+    packed_flag_ = true;
+    packed_pages_ = r.packed_pages;
+    packed_bytes_ = r.host_bytes;
+    packs_++;
+  }
+  return r;
+}
+
+void Vm::Unpack() {
+  if (!packed_flag_.load()) return;
+  std::lock_guard<std::mutex> l(pack_mu_);
+  if (!packed_) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  const bool ok = ram_.host() && packed_->Apply(ram_.host(), ram_.size() / 4096);
+  packed_.reset();
+  packed_flag_ = false;
+  packed_pages_ = 0;
+  packed_bytes_ = 0;
+  unpacks_++;
+  last_unpack_ns_ = uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+  if (!ok) RequestStop("error", "the VM's packed pages did not fit its RAM (a host bug); the VM is stopped");
 }
 
 void Vm::Release() {
@@ -801,6 +856,12 @@ void Vm::Kill() {
   if (vm_fd_ >= 0) close(vm_fd_);
   if (kvm_fd_ >= 0) close(kvm_fd_);
   vm_fd_ = kvm_fd_ = -1;
+  {
+    std::lock_guard<std::mutex> l(pack_mu_);
+    packed_.reset();
+    packed_flag_ = false;
+    packed_pages_ = packed_bytes_ = 0;
+  }
   ram_.Release();
   if (!console_line_.empty()) {
     on_event_(VmEvent{VmEvent::Type::kConsole, {}, {}, std::move(console_line_)});
@@ -891,6 +952,11 @@ Vm::Stats Vm::GetStats() {
     s.counters.emplace_back("dozes", dozes_);
     s.counters.emplace_back("dozed_ms", uint64_t(std::chrono::duration_cast<std::chrono::milliseconds>(dozed).count()));
   }
+  s.counters.emplace_back("packed_pages", packed_pages_.load());
+  s.counters.emplace_back("packed_bytes", packed_bytes_.load());
+  s.counters.emplace_back("packs", packs_.load());
+  s.counters.emplace_back("unpacks", unpacks_.load());
+  s.counters.emplace_back("last_unpack_us", last_unpack_ns_.load() / 1000);
   uint64_t irqs = 0;
   for (const auto& d : virtio_) irqs += d->interrupts_sent();
   s.counters.emplace_back("virtio_interrupts", irqs);

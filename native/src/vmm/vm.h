@@ -30,7 +30,9 @@ class VirtioPciDevice;
 class VirtioVsock;
 namespace snapshot {
 class DiffLayer;
+class PackedPages;
 class PatternBacking;
+struct PackResult;
 }
 
 // An open file descriptor shared by the specs and VMs that use it; closed
@@ -126,6 +128,14 @@ class Vm {
   bool Doze();
   void Wake();
   bool dozing() const { return dozing_.load(); }
+  // Pack (vmm/snapshot/packed_pages.h): a dozing VM's private pages kept as
+  // the bytes in which they differ from what backs them, the pages given
+  // back. Nothing unless the VM is restored, dozes and holds nothing packed.
+  // Unpack writes them back; every reader and writer of guest RAM calls it
+  // first (vCPUs before KVM_RUN, Hold, Pause, the vsock loop's passes), and
+  // it costs one atomic load when nothing is packed. Any thread.
+  snapshot::PackResult Pack();
+  void Unpack();
   // Stops the vCPUs, joins every thread, resets the devices and frees guest
   // RAM. Idempotent. Must not be called from a vCPU thread.
   void Kill();
@@ -254,6 +264,12 @@ class Vm {
   std::chrono::steady_clock::duration dozed_{};
   uint32_t paused_count_ = 0;
   uint32_t exited_count_ = 0;
+
+  // Packed pages: set and taken under pack_mu_ (Pack holds the VM still; Unpack runs before anything else touches RAM).
+  std::mutex pack_mu_;
+  std::unique_ptr<snapshot::PackedPages> packed_;
+  std::atomic<bool> packed_flag_{false};
+  std::atomic<uint64_t> packed_pages_{0}, packed_bytes_{0}, packs_{0}, unpacks_{0}, last_unpack_ns_{0};
 
   std::atomic<uint64_t> exits_[kExitKinds] = {};
   std::atomic<uint64_t> console_bytes_{0};

@@ -17,6 +17,7 @@
 #include "vmm/snapshot/diff_layer.h"
 #include "vmm/snapshot/pagemap.h"
 #include "vmm/snapshot/pattern.h"
+#include "vmm/snapshot/snapshot_pages.h"
 
 namespace forkling::vmm::snapshot {
 namespace {
@@ -35,64 +36,6 @@ bool IsZero(const uint8_t* p) {
   for (size_t i = 0; i < kPage / 8; i++) acc |= w[i];
   return acc == 0;
 }
-
-void PreadPage(int fd, uint8_t* buf, uint64_t off) {
-  for (size_t done = 0; done < kPage;) {
-    ssize_t r = pread(fd, buf + done, kPage - done, off_t(off + done));
-    if (r < 0 && errno == EINTR) continue;
-    if (r < 0) Fail("read a snapshot page");
-    if (r == 0) {  // past the end of a sparse file: zeros
-      std::memset(buf + done, 0, kPage - done);
-      return;
-    }
-    done += size_t(r);
-  }
-}
-
-// What the snapshot holds at each RAM page: the topmost diff layer that has
-// the page, else the memory file.
-class SnapshotPages {
- public:
-  explicit SnapshotPages(const RestoreSpec& spec) : spec_(spec) {
-    if (!spec.memory_fd) throw std::logic_error(spec.what + ": the snapshot has no open memory file");
-    // The very file the VM maps (not whatever its path names now), opened
-    // anew so that the hint below stays ours: single pages, no read-ahead
-    // into the page cache.
-    const std::string self = "/proc/self/fd/" + std::to_string(spec.memory_fd->get());
-    fd_ = open(self.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd_ >= 0) posix_fadvise(fd_, 0, 0, POSIX_FADV_RANDOM);
-  }
-  ~SnapshotPages() {
-    if (fd_ >= 0) close(fd_);
-  }
-  SnapshotPages(const SnapshotPages&) = delete;
-  SnapshotPages& operator=(const SnapshotPages&) = delete;
-
-  // Copies the page into buf and returns true, or returns false for a hole
-  // of the memory file (zeros; read without making a page-cache page).
-  bool Read(uint64_t page, uint8_t* buf) const {
-    for (auto it = spec_.layers.rbegin(); it != spec_.layers.rend(); ++it) {
-      if ((*it)->Find(page)) {
-        (*it)->ReadPage(page, buf);
-        return true;
-      }
-    }
-    const uint64_t off = page * kPage;
-    const int fd = fd_ >= 0 ? fd_ : spec_.memory_fd->get();
-    off_t data = lseek(fd, off_t(off), SEEK_DATA);
-    if (data < 0) {
-      if (errno == ENXIO) return false;  // a hole up to the end
-      Fail("seek in the memory file");
-    }
-    if (uint64_t(data) != off) return false;
-    PreadPage(fd, buf, off);
-    return true;
-  }
-
- private:
-  const RestoreSpec& spec_;
-  int fd_ = -1;
-};
 
 using Clock = std::chrono::steady_clock;
 uint64_t Ns(Clock::time_point a, Clock::time_point b) {
@@ -290,6 +233,7 @@ uint64_t MapPattern(Vm& vm, PatternBacking& pb, const SnapshotPages& snap, const
 ReclaimResult Reclaim(Vm& vm, uint64_t from_page, uint64_t max_pages) {
   std::shared_ptr<const RestoreSpec> origin = vm.origin();
   if (!origin) throw std::runtime_error("only a VM restored from a snapshot can give pages back");
+  vm.Unpack();  // (a dozing VM's packed pages: compared and mapped as what they are)
   ReclaimResult r;
   const auto t0 = Clock::now();
   const GuestRam& ram = vm.ram();

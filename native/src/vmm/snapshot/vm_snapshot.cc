@@ -1,4 +1,5 @@
 // Vm's snapshot members (declared in vm.h) and the template/branch helpers.
+#include "vmm/snapshot/packed_pages.h"  // (Vm owns a PackedPages: its constructors here destroy one on failure)
 #include "vmm/snapshot/vm_snapshot.h"
 
 #include <fcntl.h>
