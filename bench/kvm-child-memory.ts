@@ -292,8 +292,13 @@ try {
   const sb = child!;
   const vm = sb.nativeVm();
   const rows: { what: string; priv: number; packed: number; all: number; zero: number | null; pattern: number; passes: number; dozing: boolean }[] = [];
+  let hostAtIdle = '';
   const row = async (what: string) => {
-    const all = (await sb.stats()).privateKiB;
+    const st = await sb.stats();
+    const all = st.privateKiB;
+    const h = st.counters;
+    if (what === 'idle 8 s later')
+      hostAtIdle = `host page tables for its RAM ${h.hostPageTableKiB} KiB, KVM's nested page tables ${h.hostNptKiB} KiB, vCPU stacks ${(h.host_vcpu_stack_bytes ?? 0) / 1024} KiB, kvm_run ${(h.host_kvm_run_bytes ?? 0) / 1024} KiB`;
     const m = vm.memoryUsage();
     const c = vm.stats().counters;
     // (all-zero private pages: what the guest freed since the fork, zeroed as it frees; not read
@@ -358,6 +363,7 @@ try {
       `  ${r.what.padEnd(28)} ${`${r.priv} KiB`.padStart(10)} ${`${r.packed} KiB`.padStart(10)} ${`${r.priv + r.packed} KiB`.padStart(10)} ${`${r.all} KiB`.padStart(10)} ${(r.zero === null ? '-' : `${r.zero} KiB`).padStart(15)} ${`${r.pattern} KiB`.padStart(17)} ${String(r.passes).padStart(7)} ${(r.dozing ? 'yes' : 'no').padStart(7)}`,
     );
   console.log(`  the child: its figure in the engine's stats() (private and packed guest memory, and its host-side structures: vCPU stacks, kvm_run, the host's and KVM's page tables for its RAM)`);
+  console.log(`  the host-side structures, idle 8 s later: ${hostAtIdle}`);
   if (packOn) console.log(`  packed: the store of a dozing child's pages, each kept as the bytes in which it differs from what backs it; the eval after the passes wrote them back in ${unpackUs} µs (lab: emulated)`);
   if (dozeOn && !rows.some((r) => r.dozing)) console.log(`  the child did not doze: ${sb.notQuiet ?? 'no idle pass asked'}`);
   if (layer) console.log(`  the pattern file: ${layer.pageCount * 4} KiB in ${layer.runCount} runs, one copy for every child of the template`);

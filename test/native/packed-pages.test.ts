@@ -69,6 +69,17 @@ test('pack: equal pages keep nothing; a page too unlike its backing is left out;
   assert.ok(r.restored.equals(want), 'kept pages written back; the others untouched');
 });
 
+test('pack: a page freed to zeros, or with a little data, over a backing that held other data: kept against zeros', () => {
+  const backing = Buffer.concat([randomBytes(PAGE), randomBytes(PAGE)]);
+  const zero = Buffer.alloc(PAGE);
+  const little = Buffer.alloc(PAGE);
+  little.write('a little data', 1000);
+  const r = roundTrip(Buffer.concat([zero, little]), backing);
+  assert.equal(r.added, [true, true]);
+  assert.is(r.encodedBytes, 6 + (6 + 4 + 13), 'the zero page in its header alone; the data in one run');
+  assert.ok(r.restored.equals(Buffer.concat([zero, little])));
+});
+
 test('pack: runs join over a gap shorter than their header and no longer', () => {
   const base = Buffer.alloc(PAGE);
   const page = Buffer.alloc(PAGE);

@@ -53,13 +53,25 @@ PackedPages::~PackedPages() {
   if (map_) munmap(map_, map_size_);
 }
 
-bool PackedPages::Add(uint64_t page, const uint8_t* bytes, const uint8_t* base) {
-  if (map_) throw std::logic_error("PackedPages::Add after Seal");
-  if (page > UINT32_MAX) return false;
-  // Each run costs its header and at least one byte: no more fit in kMaxPageBytes.
-  constexpr size_t kMaxRuns = PackedPages::kMaxPageBytes / (kRunHeader + 1) + 1;
+namespace {
+
+// Each run costs its header and at least one byte: no more fit in kMaxPageBytes.
+constexpr size_t kMaxRuns = PackedPages::kMaxPageBytes / (kRunHeader + 1) + 1;
+// The run count's top bit: the runs go over a zero page, not the backing.
+constexpr uint16_t kOverZero = 0x8000;
+static_assert(kMaxRuns < kOverZero);
+alignas(64) const uint8_t kZeroPage[kPage] = {};
+
+struct Runs {
   uint16_t off[kMaxRuns], len[kMaxRuns];
-  size_t runs = 0, size = kEntryHeader;
+  size_t count = 0;
+  size_t bytes = kEntryHeader;  // the entry's size
+};
+
+// The runs in which `bytes` differ from `base`; false once they would take more than kMaxPageBytes.
+bool FindRuns(const uint8_t* bytes, const uint8_t* base, Runs& r) {
+  r.count = 0;
+  r.bytes = kEntryHeader;
   for (size_t i = 0; i < kPage;) {
     if ((i & 7) == 0) {
       while (i < kPage && Load64(bytes + i) == Load64(base + i)) i += 8;
@@ -72,21 +84,37 @@ bool PackedPages::Add(uint64_t page, const uint8_t* bytes, const uint8_t* base) 
     size_t end = i + 1;
     for (size_t j = end; j < kPage && j - end < kJoinGap; j++)
       if (bytes[j] != base[j]) end = j + 1;
-    size += kRunHeader + (end - i);
-    if (size > kMaxPageBytes) return false;
-    off[runs] = uint16_t(i);
-    len[runs] = uint16_t(end - i);
-    runs++;
+    r.bytes += kRunHeader + (end - i);
+    if (r.bytes > PackedPages::kMaxPageBytes) return false;
+    r.off[r.count] = uint16_t(i);
+    r.len[r.count] = uint16_t(end - i);
+    r.count++;
     i = end;
   }
-  if (runs == 0) return true;
-  building_.reserve(building_.size() + size);
+  return true;
+}
+
+}  // namespace
+
+bool PackedPages::Add(uint64_t page, const uint8_t* bytes, const uint8_t* base) {
+  if (map_) throw std::logic_error("PackedPages::Add after Seal");
+  if (page > UINT32_MAX) return false;
+  // Against the backing, or against zeros where that is smaller (a page the guest freed, zeroed
+  // as it frees, over a backing that held data; a little data on a page that held other data).
+  Runs vs_base, vs_zero;
+  const bool base_ok = FindRuns(bytes, base, vs_base);
+  if (base_ok && vs_base.count == 0) return true;  // the backing's bytes: nothing to keep
+  const bool zero_ok = FindRuns(bytes, kZeroPage, vs_zero);
+  if (!base_ok && !zero_ok) return false;
+  const bool over_zero = zero_ok && (!base_ok || vs_zero.bytes < vs_base.bytes);
+  const Runs& r = over_zero ? vs_zero : vs_base;
+  building_.reserve(building_.size() + r.bytes);
   Put<uint32_t>(building_, uint32_t(page));
-  Put<uint16_t>(building_, uint16_t(runs));
-  for (size_t k = 0; k < runs; k++) {
-    Put<uint16_t>(building_, off[k]);
-    Put<uint16_t>(building_, uint16_t(len[k] - 1));
-    building_.insert(building_.end(), bytes + off[k], bytes + off[k] + len[k]);
+  Put<uint16_t>(building_, uint16_t(r.count | (over_zero ? kOverZero : 0)));
+  for (size_t k = 0; k < r.count; k++) {
+    Put<uint16_t>(building_, r.off[k]);
+    Put<uint16_t>(building_, uint16_t(r.len[k] - 1));
+    building_.insert(building_.end(), bytes + r.off[k], bytes + r.off[k] + r.len[k]);
   }
   used_ = building_.size();
   pages_++;
@@ -113,10 +141,11 @@ bool PackedPages::Apply(uint8_t* host, uint64_t ram_pages) const {
   while (p < e) {
     if (size_t(e - p) < kEntryHeader) return false;
     const uint32_t page = Get<uint32_t>(p);
-    const uint16_t runs = Get<uint16_t>(p + 4);
+    const uint16_t word = Get<uint16_t>(p + 4), runs = word & ~kOverZero;
     p += kEntryHeader;
     if (page >= ram_pages) return false;
     uint8_t* dst = host + uint64_t(page) * kPage;
+    if (word & kOverZero) std::memset(dst, 0, kPage);
     for (uint16_t k = 0; k < runs; k++) {
       if (size_t(e - p) < kRunHeader) return false;
       const size_t off = Get<uint16_t>(p), len = size_t(Get<uint16_t>(p + 2)) + 1;

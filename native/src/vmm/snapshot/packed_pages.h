@@ -7,7 +7,8 @@
 // its RAM: its vCPUs wait outside KVM_RUN and its vsock loop waits for host
 // input. Packing then keeps, for each private page, the runs of bytes that
 // differ from its backing (the pattern's page if it is mapped from there,
-// else the snapshot's: snapshot_pages.h), in one read-only mapping of the
+// else the snapshot's: snapshot_pages.h), or from zeros where that is
+// shorter (a page the guest freed), in one read-only mapping of the
 // host's, and drops the page (MADV_DONTNEED: it reads its backing again).
 // Before anything reads or runs that RAM again (a vCPU entering KVM_RUN, a
 // hold, the owner's pause, a pass of the vsock loop, a test's read) the VM
@@ -43,7 +44,8 @@ class PackedPages {
   PackedPages& operator=(const PackedPages&) = delete;
 
   // Keeps RAM page `page` (its 4096 bytes, and the bytes of what backs it)
-  // as the runs in which they differ: true, or false, keeping nothing, when
+  // as the runs in which they differ (or in which the page differs from
+  // zeros, where that is shorter): true, or false, keeping nothing, when
   // those would take more than kMaxPageBytes (or the page number does not
   // fit). A page equal to its backing keeps nothing and is true.
   bool Add(uint64_t page, const uint8_t* bytes, const uint8_t* base);
