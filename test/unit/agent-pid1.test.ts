@@ -92,6 +92,22 @@ test('restore sets the hostname (in its UTS namespace) and adds entropy', async 
   assert.is(hostname(), hostBefore, 'the host kept its name');
 });
 
+test('quiet, when it says so, gives the free pages of the C heap back to the kernel (the garbage of what ran is not kept)', async () => {
+  const rss = async () => (await c.eval("int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0])")).value as number;
+  // ~20 MiB freed below a live object: free() alone keeps it (only a heap's top is trimmed).
+  await c.eval('_junk = [bytes(1000) for _ in range(20000)]\n_pin = bytes(1000)\ndel _junk');
+  const before = await rss();
+  let quiet = false;
+  for (let i = 0; i < 250 && !quiet; i++) {
+    quiet = (await c.request('quiet', {})).quiet === true;
+    if (!quiet) await new Promise((res) => setTimeout(res, 20));
+  }
+  assert.ok(quiet, 'never quiet');
+  const after = await rss();
+  await c.eval('del _pin');
+  assert.ok(after < before - 10_000, `VmRSS ${before} KiB before quiet, ${after} KiB after`);
+});
+
 test('quiet: true while nothing but the agent would run; else it names the thread, process or alarm', async () => {
   const quiet = () => c.request('quiet', {});
   type Quiet = Awaited<ReturnType<typeof quiet>>;
