@@ -349,6 +349,7 @@ Napi::Value VmPack(const Napi::CallbackInfo& info, vmm::Vm& vm) {
     o.Set("packedPages", Napi::Number::New(env, double(r.packed_pages)));
     o.Set("keptPages", Napi::Number::New(env, double(r.kept_pages)));
     o.Set("hostBytes", Napi::Number::New(env, double(r.host_bytes)));
+    o.Set("ramTablesDropped", Napi::Boolean::New(env, r.ram_tables_dropped));
     o.Set("totalUs", Napi::Number::New(env, double(r.total_ns) / 1000.0));
     return o;
   });

@@ -305,15 +305,35 @@ labTest('pack: a dozing child keeps its private pages as the bytes that differ, 
     assert.is(woke.packed_pages, 0);
     assert.is(woke.unpacks, 3);
     assert.is(vm.pack().packed, false, 'an awake VM is not packed');
-    // A branch of a packed child (its pause writes them back) continues from its state.
+    // Packed with nothing left private, its page tables go too: the host's for its RAM (this
+    // process's VmPTE) and KVM's nested ones (the lab's SecPageTables: its only VM now).
+    const meminfo = (key: string) => Number(readFileSync('/proc/meminfo', 'utf8').match(new RegExp(`^${key}:\\s+(\\d+) kB`, 'm'))?.[1] ?? Number.NaN);
+    const vmPte = () => Number(readFileSync('/proc/self/status', 'utf8').match(/^VmPTE:\s+(\d+) kB/m)?.[1] ?? Number.NaN);
+    const awake = await counters();
+    const [pte0, sec0] = [vmPte(), meminfo('SecPageTables')];
     while ((await counters()).packs! < 4) {
       assert.ok(Date.now() < deadline, `no second pack by the engine: ${k.notQuiet ?? 'quiet'}`);
       await new Promise((res) => setTimeout(res, 100));
     }
+    const [pte1, sec1] = [vmPte(), meminfo('SecPageTables')];
+    const deep = await counters();
+    assert.ok(k.lastPack?.ramTablesDropped, JSON.stringify(k.lastPack));
+    assert.is(deep.hostPageTableKiB, 0);
+    assert.is(deep.hostNptKiB, 0);
+    assert.ok(pte0 - pte1 >= awake.hostPageTableKiB! * 0.75, `VmPTE ${pte0} -> ${pte1} KiB; the child's tables were ${awake.hostPageTableKiB} KiB`);
+    if (Number.isFinite(sec0)) assert.ok(sec0 - sec1 >= awake.hostNptKiB! * 0.5, `SecPageTables ${sec0} -> ${sec1} KiB; the child's nested tables counted ${awake.hostNptKiB} KiB`);
+    // Woken with its memory slots back, it runs.
+    assert.is((await k.agent.eval('hashlib.sha256(BLOB).hexdigest() == DIGEST')).value, true);
+    while ((await counters()).packs! < 5) {
+      assert.ok(Date.now() < deadline, `no third pack by the engine: ${k.notQuiet ?? 'quiet'}`);
+      await new Promise((res) => setTimeout(res, 100));
+    }
+    // A branch of a packed child (its pause writes them back) continues from its state.
     const [c] = await e.branch(k, 1);
     assert.is((await c!.agent.eval('BLOB[7] = (BLOB[7] + 1) % 256; hashlib.sha256(BLOB).hexdigest() == DIGEST')).value, false);
     assert.is((await k.agent.eval('hashlib.sha256(BLOB).hexdigest() == DIGEST')).value, true);
     console.log(`    pack: ${p.privatePages} private pages, ${p.packedPages} packed into ${first.packed_bytes! / 1024} KiB, ${p.keptPages} kept; written back in ${woke.last_unpack_us} µs`);
+    console.log(`    page tables freed with nothing left private: this process's VmPTE ${pte0} -> ${pte1} KiB (the child's counted ${awake.hostPageTableKiB} KiB), SecPageTables ${sec0} -> ${sec1} KiB (its nested tables counted ${awake.hostNptKiB} KiB)`);
   } finally {
     await e.close();
   }

@@ -92,6 +92,8 @@ export interface NativePack {
   keptPages: number;
   /** Host memory the packed bytes take (page-rounded). */
   hostBytes: number;
+  /** Nothing was left private: KVM's nested tables and the host's page tables for its RAM were freed too, until it wakes. */
+  ramTablesDropped: boolean;
   totalUs: number;
 }
 

@@ -171,6 +171,10 @@ void Vm::SetupVm() {
 
 void Vm::SetupMemory() {
   if (!ram_.host()) ram_ = GuestRam::CreateAnonymous(cfg_.memory_bytes);  // else restored (RestoreRam)
+  if (!AddMemslots()) ThrowErrno("KVM_SET_USER_MEMORY_REGION");
+}
+
+bool Vm::AddMemslots() {
   const GuestMemory& m = ram_.memory();
   for (size_t i = 0; i < m.region_count(); i++) {
     const GuestRegion& r = m.region(i);
@@ -180,8 +184,9 @@ void Vm::SetupMemory() {
     reg.guest_phys_addr = r.gpa;
     reg.memory_size = r.size;
     reg.userspace_addr = reinterpret_cast<uint64_t>(r.host);
-    Ioctl(vm_fd_, KVM_SET_USER_MEMORY_REGION, &reg, "KVM_SET_USER_MEMORY_REGION");
+    if (ioctl(vm_fd_, KVM_SET_USER_MEMORY_REGION, &reg) != 0) return false;
   }
+  return true;
 }
 
 void Vm::LoadGuest() {
@@ -755,6 +760,7 @@ snapshot::PackResult Vm::Pack() {
     packed_pages_ = r.packed_pages;
     packed_bytes_ = r.host_bytes;
     packs_++;
+    if (r.kept_pages == 0) r.ram_tables_dropped = DropRamTables();
   }
   return r;
 }
@@ -765,6 +771,9 @@ void Vm::Unpack() {
   if (!packed_) return;
   const auto t0 = std::chrono::steady_clock::now();
   const bool ok = ram_.host() && packed_->Apply(ram_.host(), ram_.size() / 4096);
+  const bool slots_ok = !memslots_removed_ || AddMemslots();
+  memslots_removed_ = false;
+  if (!slots_ok) RequestStop("error", std::string("KVM_SET_USER_MEMORY_REGION failed as the VM woke: ") + std::strerror(errno));
   packed_.reset();
   packed_flag_ = false;
   packed_pages_ = 0;

@@ -204,6 +204,12 @@ class Vm {
   void RestoreRam(const RestoreSpec& spec);    // vm_snapshot.cc
   void RestoreState(const RestoreSpec& spec);  // vm_snapshot.cc
   void SetupMemory();
+  // KVM memory slots for guest RAM (SetupMemory; Unpack after DropRamTables). False on failure.
+  bool AddMemslots();
+  // Pack's second step, with no private page left (vm_snapshot.cc): its memslots removed, so
+  // that KVM frees its nested page tables, and its RAM mapped anew as restored, so that the
+  // host's page tables for it go with the old mapping. Unpack adds the memslots back.
+  bool DropRamTables();
   void LoadGuest();
   void SetupDevices();
   void SetupVcpu(uint32_t index);
@@ -269,6 +275,7 @@ class Vm {
   std::mutex pack_mu_;
   std::unique_ptr<snapshot::PackedPages> packed_;
   std::atomic<bool> packed_flag_{false};
+  bool memslots_removed_ = false;
   std::atomic<uint64_t> packed_pages_{0}, packed_bytes_{0}, packs_{0}, unpacks_{0}, last_unpack_ns_{0};
 
   std::atomic<uint64_t> exits_[kExitKinds] = {};

@@ -292,21 +292,19 @@ void CollapseDiffs(const std::vector<std::shared_ptr<DiffLayer>>& chain, int fd)
   WriteHeaderAndIndex(fd, ram_size, data_off, pages, true, crc);
 }
 
-uint8_t* MapLayered(int base_fd, uint64_t size, const std::vector<std::shared_ptr<DiffLayer>>& chain) {
-  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_NORESERVE, base_fd, 0);
+uint8_t* MapLayered(int base_fd, uint64_t size, const std::vector<std::shared_ptr<DiffLayer>>& chain, uint8_t* at) {
+  for (const auto& layer : chain)
+    if (layer->ram_size() != size) throw std::invalid_argument("diff layer is for a different RAM size");
+  void* p = mmap(at, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_NORESERVE | (at ? MAP_FIXED : 0), base_fd, 0);
   if (p == MAP_FAILED) ThrowErrno("mmap memory file");
   uint8_t* base = static_cast<uint8_t*>(p);
   for (const auto& layer : chain) {
-    if (layer->ram_size() != size) {
-      munmap(p, size);
-      throw std::invalid_argument("diff layer is for a different RAM size");
-    }
     for (const DiffRun& r : layer->runs()) {
       void* q = mmap(base + r.page * kPageSize, r.count * kPageSize, PROT_READ | PROT_WRITE,
                      MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE, layer->fd(), off_t(layer->data_offset() + r.slot * kPageSize));
       if (q == MAP_FAILED) {
         int e = errno;
-        munmap(p, size);
+        if (!at) munmap(p, size);
         throw std::system_error(e, std::generic_category(),
                                 e == ENOMEM ? "mmap diff run (too many mappings: collapse the branch chain or raise "
                                               "vm.max_map_count)"

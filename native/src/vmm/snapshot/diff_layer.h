@@ -107,8 +107,10 @@ class DiffBuilder {
 void CollapseDiffs(const std::vector<std::shared_ptr<DiffLayer>>& chain, int fd);
 
 // Maps `size` bytes of `base_fd` MAP_PRIVATE|MAP_NORESERVE and the chain over
-// it. Returns the mapping (munmap(size) releases everything).
-uint8_t* MapLayered(int base_fd, uint64_t size, const std::vector<std::shared_ptr<DiffLayer>>& chain);
+// it. Returns the mapping (munmap(size) releases everything). With `at`, in
+// place of the mapping there (MAP_FIXED: the old one, its private pages and
+// page tables go; on failure `at` may be left half mapped, never unmapped).
+uint8_t* MapLayered(int base_fd, uint64_t size, const std::vector<std::shared_ptr<DiffLayer>>& chain, uint8_t* at = nullptr);
 
 // An O_TMPFILE (unlinked) in `dir` for a diff that lives only as long as the
 // sandboxes that map it. Throws std::system_error.

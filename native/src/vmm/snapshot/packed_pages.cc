@@ -97,6 +97,7 @@ bool FindRuns(const uint8_t* bytes, const uint8_t* base, Runs& r) {
 }  // namespace
 
 bool PackedPages::Add(uint64_t page, const uint8_t* bytes, const uint8_t* base) {
+  // (kMaxRuns holds a page's runs up to kMaxPageBytes; past that it is kept whole)
   if (map_) throw std::logic_error("PackedPages::Add after Seal");
   if (page > UINT32_MAX) return false;
   // Against the backing, or against zeros where that is smaller (a page the guest freed, zeroed
@@ -105,8 +106,13 @@ bool PackedPages::Add(uint64_t page, const uint8_t* bytes, const uint8_t* base) 
   const bool base_ok = FindRuns(bytes, base, vs_base);
   if (base_ok && vs_base.count == 0) return true;  // the backing's bytes: nothing to keep
   const bool zero_ok = FindRuns(bytes, kZeroPage, vs_zero);
-  if (!base_ok && !zero_ok) return false;
   const bool over_zero = zero_ok && (!base_ok || vs_zero.bytes < vs_base.bytes);
+  if (!base_ok && !zero_ok) {  // kept whole: one run, as much as the page itself
+    vs_base.count = 1;
+    vs_base.off[0] = 0;
+    vs_base.len[0] = uint16_t(kPage);
+    vs_base.bytes = kEntryHeader + kRunHeader + kPage;
+  }
   const Runs& r = over_zero ? vs_zero : vs_base;
   building_.reserve(building_.size() + r.bytes);
   Put<uint32_t>(building_, uint32_t(page));

@@ -18,9 +18,11 @@
 //
 // Every page's bytes stay in the host process, so the VM's memory figures
 // count the mapping (`packed_bytes`). A page whose runs would take more than
-// kMaxPageBytes stays as it is. A VM with more than kMaxPackPages private
-// pages is not packed: it runs on the caller's thread (the host's event
-// loop), and such a VM's pages are mostly its own data, unlike any backing.
+// kMaxPageBytes is kept whole (as much as the page itself), so that no page
+// is left private and the VM's page tables can go too (vm.h DropRamTables).
+// A VM with more than kMaxPackPages private pages is not packed: packing runs
+// on the caller's thread (the host's event loop), and waking would write it
+// all back.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -36,7 +38,7 @@ namespace forkling::vmm::snapshot {
 class PackedPages {
  public:
   static constexpr size_t kMaxPageBytes = 3072;
-  static constexpr uint64_t kMaxPackPages = 16384;  // 64 MiB private
+  static constexpr uint64_t kMaxPackPages = 4096;  // 16 MiB private
 
   PackedPages() = default;
   ~PackedPages();
@@ -45,9 +47,9 @@ class PackedPages {
 
   // Keeps RAM page `page` (its 4096 bytes, and the bytes of what backs it)
   // as the runs in which they differ (or in which the page differs from
-  // zeros, where that is shorter): true, or false, keeping nothing, when
-  // those would take more than kMaxPageBytes (or the page number does not
-  // fit). A page equal to its backing keeps nothing and is true.
+  // zeros, where that is shorter), or whole where those would take more
+  // than kMaxPageBytes. A page equal to its backing keeps nothing. False,
+  // keeping nothing, only when the page number does not fit.
   bool Add(uint64_t page, const uint8_t* bytes, const uint8_t* base);
   // Moves what Add kept into a read-only mapping of its own (page-rounded:
   // what it takes of the host's memory). Add is refused after.
@@ -72,8 +74,11 @@ struct PackResult {
   bool packed = false;          // the VM holds packed pages now
   uint64_t private_pages = 0;   // looked at
   uint64_t packed_pages = 0;    // given back (their differing bytes kept, if any)
-  uint64_t kept_pages = 0;      // left private: too unlike their backing
+  uint64_t kept_pages = 0;      // left private (all of them past kMaxPackPages)
   uint64_t host_bytes = 0;      // the store's mapping
+  // Nothing was left private: KVM's nested tables and the host's page tables for its RAM were
+  // freed too (vm.h DropRamTables) until it wakes.
+  bool ram_tables_dropped = false;
   uint64_t total_ns = 0;
 };
 

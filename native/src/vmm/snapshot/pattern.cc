@@ -1,5 +1,6 @@
 #include "vmm/snapshot/pattern.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -111,6 +112,27 @@ std::shared_ptr<DiffLayer> CapturePattern(Vm& vm, const std::vector<Vm*>& others
     throw;
   }
   return DiffLayer::Open(fd, "the pattern of " + origin->what);
+}
+
+bool PatternBacking::MapAgain(uint8_t* ram) const {
+  constexpr uint64_t kPage = 4096;
+  auto offset = [&](uint64_t page) {
+    const DiffRun* r = layer_->Find(page);
+    return r ? layer_->data_offset() + (r->slot + page - r->page) * kPage : ~uint64_t(0);
+  };
+  for (size_t i = 0; i < pages_.size();) {
+    const uint64_t first = pages_[i], off = offset(first);
+    if (off == ~uint64_t(0)) return false;
+    size_t j = i + 1;
+    while (j < pages_.size() && pages_[j] == first + (j - i) && offset(pages_[j]) == off + (j - i) * kPage) j++;
+    uint8_t* at = ram + first * kPage;
+    const uint64_t bytes = (j - i) * kPage;
+    if (mmap(at, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE, layer_->fd(), off_t(off)) == MAP_FAILED)
+      return false;
+    madvise(at, bytes, MADV_DONTDUMP);
+    i = j;
+  }
+  return true;
 }
 
 }  // namespace forkling::vmm::snapshot

@@ -75,6 +75,10 @@ class PatternBacking {
   void Remove(uint64_t first, uint64_t count);
   // No more runs for this VM (an mmap failed: mostly the limit on mappings).
   void Exhaust() { exhausted_ = true; }
+  // Maps the pattern's pages again over RAM at `ram` (after it was mapped
+  // anew: vm_snapshot.cc Vm::DropRamTables), a stretch per mapping as before.
+  // False if an mmap failed (the rest is then the memory file's).
+  bool MapAgain(uint8_t* ram) const;
 
  private:
   void Recount();  // maps_ from pages_: a mapping per stretch of pages in a row

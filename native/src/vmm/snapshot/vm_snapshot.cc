@@ -1,9 +1,9 @@
 // Vm's snapshot members (declared in vm.h) and the template/branch helpers.
-#include "vmm/snapshot/packed_pages.h"  // (Vm owns a PackedPages: its constructors here destroy one on failure)
 #include "vmm/snapshot/vm_snapshot.h"
 
 #include <fcntl.h>
 #include <sys/ioctl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -15,6 +15,7 @@
 #include "vmm/snapshot/checksum.h"
 #include "vmm/snapshot/diff_layer.h"
 #include "vmm/snapshot/kvm_state.h"
+#include "vmm/snapshot/packed_pages.h"  // (Vm owns a PackedPages: its constructors here destroy one on failure)
 #include "vmm/layout.h"
 #include "vmm/snapshot/pagemap.h"
 #include "vmm/snapshot/pattern.h"
@@ -161,6 +162,33 @@ void Vm::SetPattern(std::shared_ptr<const DiffLayer> layer) {
 void Vm::RestoreRam(const RestoreSpec& spec) {
   if (!spec.memory_fd) throw std::logic_error(spec.what + ": the snapshot has no open memory file");
   ram_ = GuestRam::AdoptPrivate(MapLayered(spec.memory_fd->get(), spec.memory_bytes, spec.layers), spec.memory_bytes);
+}
+
+bool Vm::DropRamTables() {
+  if (!origin_ || !origin_->memory_fd || !ram_.host() || ram_.shared() || memslots_removed_) return false;
+  // (a private page would go with the old mapping; Pack calls this only when none is left)
+  if (!PrivatePages(ram_.host(), ram_.size()).empty()) return false;
+  const GuestMemory& m = ram_.memory();
+  for (size_t i = 0; i < m.region_count(); i++) {
+    kvm_userspace_memory_region reg;
+    std::memset(&reg, 0, sizeof reg);
+    reg.slot = uint32_t(i);  // memory_size 0: removed
+    if (ioctl(vm_fd_, KVM_SET_USER_MEMORY_REGION, &reg) != 0) {
+      if (!AddMemslots()) RequestStop("error", "KVM_SET_USER_MEMORY_REGION failed while it dozed");
+      return false;
+    }
+  }
+  memslots_removed_ = true;
+  try {
+    // In place: the old mapping, and the page tables that map it, go in the same call (no gap another thread could map into).
+    MapLayered(origin_->memory_fd->get(), ram_.size(), origin_->layers, ram_.host());
+    madvise(ram_.host(), ram_.size(), MADV_DONTDUMP);
+    if (pattern_ && !pattern_->MapAgain(ram_.host())) throw std::runtime_error("mmap of its pattern failed");
+  } catch (const std::exception& e) {
+    RequestStop("error", std::string("its RAM could not be mapped again while it dozed: ") + e.what());
+    return false;
+  }
+  return true;
 }
 
 SharedFd::~SharedFd() {
