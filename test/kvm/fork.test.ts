@@ -330,8 +330,15 @@ labTest('pack: a dozing child keeps its private pages as the bytes that differ, 
     }
     // A branch of a packed child (its pause writes them back) continues from its state.
     const [c] = await e.branch(k, 1);
-    assert.is((await c!.agent.eval('BLOB[7] = (BLOB[7] + 1) % 256; hashlib.sha256(BLOB).hexdigest() == DIGEST')).value, false);
+    assert.is((await c!.agent.eval('BLOB[7] = (BLOB[7] + 1) % 256; MINE = hashlib.sha256(BLOB).hexdigest(); MINE == DIGEST')).value, false);
     assert.is((await k.agent.eval('hashlib.sha256(BLOB).hexdigest() == DIGEST')).value, true);
+    // The branch child too, its RAM mapped anew over its diff layer: packed, woken, whole.
+    while (((await c!.stats()).counters.packs ?? 0) < 1) {
+      assert.ok(Date.now() < deadline, `the branch child was not packed: ${c!.notQuiet ?? 'quiet'}`);
+      await new Promise((res) => setTimeout(res, 100));
+    }
+    assert.ok(c!.lastPack?.ramTablesDropped, JSON.stringify(c!.lastPack));
+    assert.is((await c!.agent.eval('hashlib.sha256(BLOB).hexdigest() == MINE')).value, true);
     console.log(`    pack: ${p.privatePages} private pages, ${p.packedPages} packed into ${first.packed_bytes! / 1024} KiB, ${p.keptPages} kept; written back in ${woke.last_unpack_us} µs`);
     console.log(`    page tables freed with nothing left private: this process's VmPTE ${pte0} -> ${pte1} KiB (the child's counted ${awake.hostPageTableKiB} KiB), SecPageTables ${sec0} -> ${sec1} KiB (its nested tables counted ${awake.hostNptKiB} KiB)`);
   } finally {
