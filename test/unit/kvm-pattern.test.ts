@@ -19,7 +19,7 @@ type EvalOpts = { timeoutMs?: number; signal?: AbortSignal };
 
 /** Hidden children whose agents answer evals with `answer`; what was asked of them, together. */
 function hiddenChildren(answer: (opts: EvalOpts) => Promise<unknown>) {
-  const seen = { evals: [] as { code: string; opts: EvalOpts }[], idlePasses: [] as { doze?: boolean }[], captures: [] as { by: unknown; others: unknown[] }[], kills: 0 };
+  const seen = { evals: [] as { code: string; opts: EvalOpts }[], idlePasses: [] as { doze?: boolean; pack?: boolean }[], captures: [] as { by: unknown; others: unknown[] }[], kills: 0 };
   const make = () => {
     const vm = {
       capturePattern: (_dir: string, others: unknown[] = []) => {
@@ -34,7 +34,7 @@ function hiddenChildren(answer: (opts: EvalOpts) => Promise<unknown>) {
         return answer(opts);
       },
     },
-      idlePass: async (opts: { doze?: boolean }) => {
+      idlePass: async (opts: { doze?: boolean; pack?: boolean }) => {
         seen.idlePasses.push(opts);
       },
       nativeVm: () => vm,
@@ -96,8 +96,8 @@ test('built once, when a child first wants it, from hidden children whose evals 
     assert.is(e.opts.timeoutMs, undefined);
     assert.ok(e.opts.signal, 'the limit is the host side (a signal)');
   }
-  // Each ran a child's idle pass, dozing as children do.
-  assert.equal(hidden.seen.idlePasses, Array.from({ length: PATTERN_SAMPLES }, () => ({ doze: true })));
+  // Each ran a child's idle pass, dozing as children do (not packed: it is captured next).
+  assert.equal(hidden.seen.idlePasses, Array.from({ length: PATTERN_SAMPLES }, () => ({ doze: true, pack: false })));
   assert.is(hidden.seen.captures.length, 1);
   const capture = hidden.seen.captures[0]!;
   assert.is(capture.others.length, PATTERN_SAMPLES - 1, 'captured from one, with the others as its fellow samples');
