@@ -256,7 +256,7 @@ labTest('doze: an idle child with nothing to run waits for input with its vCPUs 
       await new Promise((res) => setTimeout(res, 200));
     }
     assert.is(b!.notQuiet, null);
-    console.log(`    doze: dozed ${woke.dozes} time(s), ${woke.dozed_ms} ms; private ${still.guestPrivateKiB} KiB and packed ${still.packedKiB} KiB while dozing; b: ${bBusy}, then dozed ${((Date.now() - bAsked) / 1000).toFixed(1)} s after its thread started, unasked`);
+    console.log(`    doze: dozed ${woke.dozes} time(s), ${woke.dozed_ms} ms; private ${still.guestPrivateKiB} KiB and packed ${still.packedKiB} KiB while dozing (packs ${still.packs}, unpacks ${still.unpacks}, last pack ${JSON.stringify(a!.lastPack)}); b: ${bBusy}, then dozed ${((Date.now() - bAsked) / 1000).toFixed(1)} s after its thread started, unasked`);
   } finally {
     await e.close();
   }

@@ -740,6 +740,9 @@ snapshot::PackResult Vm::Pack() {
     Vm* vm;
     ~Let() { vm->Release(); }
   } let{this};
+  // First the vsock loop's pass for what the guest asked before it stopped (a queue kick on its
+  // way): run after the pack, that pass would write every page back (BeforePass) at once.
+  if (vsock_ && !vsock_->Sync(1000)) return r;
   // The vsock loop between two of its passes, the other writer (and reader) of guest RAM; its
   // next pass unpacks first (BeforePass). Taken after the hold: a vCPU may wait for that loop.
   std::unique_lock<std::mutex> loop;

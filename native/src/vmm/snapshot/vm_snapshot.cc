@@ -381,6 +381,8 @@ BranchResult Branch(Vm& vm, const std::string& dir) {
     return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count());
   };
   BranchResult r;
+  // A packed VM's pages back, and its memslots, before the pre-copy reads RAM and turns on dirty logging.
+  vm.Unpack();
   const GuestRam& ram = vm.ram();
   const uint64_t ram_pages = ram.size() / kPageSize;
   int fd = CreateTempDiffFile(dir);
