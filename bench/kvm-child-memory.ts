@@ -299,12 +299,10 @@ try {
     const h = st.counters;
     if (what === 'idle 8 s later')
       hostAtIdle = `host page tables for its RAM ${h.hostPageTableKiB} KiB, KVM's nested page tables ${h.hostNptKiB} KiB, vCPU stacks ${(h.host_vcpu_stack_bytes ?? 0) / 1024} KiB, kvm_run ${(h.host_kvm_run_bytes ?? 0) / 1024} KiB`;
-    const m = vm.memoryUsage();
-    const c = vm.stats().counters;
     // (all-zero private pages: what the guest freed since the fork, zeroed as it frees; not read
     // while packed: a read writes the packed pages back)
-    const zero = c.packed_bytes ? null : frames(sb).filter((f) => vm.guestBytes(f * 4096, 4096).every((b) => b === 0)).length * 4;
-    rows.push({ what, priv: m.guestPrivateBytes / 1024, packed: (c.packed_bytes ?? 0) / 1024, all, zero, pattern: m.guestPatternBytes / 1024, passes: sb.reclaimed.passes, dozing: c.dozing === 1 });
+    const zero = h.packed_bytes ? null : frames(sb).filter((f) => vm.guestBytes(f * 4096, 4096).every((b) => b === 0)).length * 4;
+    rows.push({ what, priv: h.guestPrivateKiB ?? 0, packed: (h.packed_bytes ?? 0) / 1024, all, zero, pattern: h.patternKiB ?? 0, passes: sb.reclaimed.passes, dozing: h.dozing === 1 });
   };
   await row('restore answered (ready)');
   for (const k of [sb, sibling!]) if ((await k.agent.eval('1 + 1')).value !== 2) throw new Error('first eval: wrong answer');

@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <system_error>
 
+#include "vmm/snapshot/bytes.h"
 #include "vmm/snapshot/diff_layer.h"
 #include "vmm/snapshot/pagemap.h"
 #include "vmm/snapshot/pattern.h"
@@ -19,33 +20,11 @@ namespace forkling::vmm::snapshot {
 namespace {
 
 constexpr uint64_t kPage = 4096;
-// Pagemap read per step: 128 MiB of RAM.
-constexpr uint64_t kWindowPages = 32768;
 // An entry: page (u32) and run count (u16); a run: offset (u16), length - 1 (u16), its bytes.
 constexpr size_t kEntryHeader = 6;
 constexpr size_t kRunHeader = 4;
 // Equal bytes shorter than a run header are kept inside the run around them.
 constexpr size_t kJoinGap = kRunHeader;
-
-uint64_t Load64(const uint8_t* p) {
-  uint64_t v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-template <typename T>
-void Put(std::vector<uint8_t>& out, T v) {
-  const size_t at = out.size();
-  out.resize(at + sizeof v);
-  std::memcpy(out.data() + at, &v, sizeof v);
-}
-
-template <typename T>
-T Get(const uint8_t* p) {
-  T v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
 
 }  // namespace
 
@@ -74,7 +53,7 @@ bool FindRuns(const uint8_t* bytes, const uint8_t* base, Runs& r) {
   r.bytes = kEntryHeader;
   for (size_t i = 0; i < kPage;) {
     if ((i & 7) == 0) {
-      while (i < kPage && Load64(bytes + i) == Load64(base + i)) i += 8;
+      while (i < kPage && Load<uint64_t>(bytes + i) == Load<uint64_t>(base + i)) i += 8;
       if (i == kPage) break;
     }
     if (bytes[i] == base[i]) {
@@ -115,11 +94,11 @@ bool PackedPages::Add(uint64_t page, const uint8_t* bytes, const uint8_t* base) 
   }
   const Runs& r = over_zero ? vs_zero : vs_base;
   building_.reserve(building_.size() + r.bytes);
-  Put<uint32_t>(building_, uint32_t(page));
-  Put<uint16_t>(building_, uint16_t(r.count | (over_zero ? kOverZero : 0)));
+  Append<uint32_t>(building_, uint32_t(page));
+  Append<uint16_t>(building_, uint16_t(r.count | (over_zero ? kOverZero : 0)));
   for (size_t k = 0; k < r.count; k++) {
-    Put<uint16_t>(building_, r.off[k]);
-    Put<uint16_t>(building_, uint16_t(r.len[k] - 1));
+    Append<uint16_t>(building_, r.off[k]);
+    Append<uint16_t>(building_, uint16_t(r.len[k] - 1));
     building_.insert(building_.end(), bytes + r.off[k], bytes + r.off[k] + r.len[k]);
   }
   used_ = building_.size();
@@ -146,15 +125,15 @@ bool PackedPages::Apply(uint8_t* host, uint64_t ram_pages) const {
   const uint8_t* const e = p + used_;
   while (p < e) {
     if (size_t(e - p) < kEntryHeader) return false;
-    const uint32_t page = Get<uint32_t>(p);
-    const uint16_t word = Get<uint16_t>(p + 4), runs = word & ~kOverZero;
+    const uint32_t page = Load<uint32_t>(p);
+    const uint16_t word = Load<uint16_t>(p + 4), runs = word & ~kOverZero;
     p += kEntryHeader;
     if (page >= ram_pages) return false;
     uint8_t* dst = host + uint64_t(page) * kPage;
     if (word & kOverZero) std::memset(dst, 0, kPage);
     for (uint16_t k = 0; k < runs; k++) {
       if (size_t(e - p) < kRunHeader) return false;
-      const size_t off = Get<uint16_t>(p), len = size_t(Get<uint16_t>(p + 2)) + 1;
+      const size_t off = Load<uint16_t>(p), len = size_t(Load<uint16_t>(p + 2)) + 1;
       p += kRunHeader;
       if (off + len > kPage || size_t(e - p) < len) return false;
       std::memcpy(dst + off, p, len);
@@ -169,12 +148,7 @@ void PackPages(Vm& vm, std::unique_ptr<PackedPages>& slot, PackResult& r) {
   std::shared_ptr<const RestoreSpec> origin = vm.origin();
   const GuestRam& ram = vm.ram();
   if (!origin || !ram.host() || ram.shared() || vm.stopped()) return;
-  const uint64_t ram_pages = ram.size() / kPage;
-  std::vector<uint64_t> priv;
-  for (uint64_t at = 0; at < ram_pages; at += kWindowPages) {
-    const uint64_t n = std::min(kWindowPages, ram_pages - at);
-    for (uint64_t rel : PrivatePages(ram.host() + at * kPage, n * kPage)) priv.push_back(at + rel);
-  }
+  const std::vector<uint64_t> priv = PrivatePages(ram.host(), ram.size());
   r.private_pages = priv.size();
   if (priv.size() > PackedPages::kMaxPackPages) {
     r.kept_pages = priv.size();

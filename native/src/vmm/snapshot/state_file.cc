@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <system_error>
 
+#include "vmm/snapshot/bytes.h"
 #include "vmm/snapshot/checksum.h"
 
 namespace forkling::vmm::snapshot {
@@ -22,17 +23,6 @@ constexpr size_t kTrailerSize = 8;
 // near this is not one of ours.
 constexpr size_t kMaxStateFile = 64u << 20;
 
-template <class T>
-void Append(std::vector<uint8_t>& b, T v) {
-  const uint8_t* p = reinterpret_cast<const uint8_t*>(&v);
-  b.insert(b.end(), p, p + sizeof v);
-}
-template <class T>
-T Load(const uint8_t* p) {
-  T v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
 
 }  // namespace
 

@@ -165,9 +165,8 @@ void Vm::RestoreRam(const RestoreSpec& spec) {
 }
 
 bool Vm::DropRamTables() {
+  // (a private page would go with the old mapping: Pack calls this only once it dropped them all)
   if (!origin_ || !origin_->memory_fd || !ram_.host() || ram_.shared() || memslots_removed_) return false;
-  // (a private page would go with the old mapping; Pack calls this only when none is left)
-  if (!PrivatePages(ram_.host(), ram_.size()).empty()) return false;
   const GuestMemory& m = ram_.memory();
   for (size_t i = 0; i < m.region_count(); i++) {
     kvm_userspace_memory_region reg;
