@@ -341,7 +341,16 @@ Napi::Value VmReclaim(const Napi::CallbackInfo& info, vmm::Vm& vm) {
 
 Napi::Value VmPack(const Napi::CallbackInfo& info, vmm::Vm& vm) {
   return Guard(info.Env(), [&]() -> Napi::Value {
-    ss::PackResult r = vm.Pack();
+    Napi::Env env0 = info.Env();
+    bool shelve = true;
+    if (info.Length() > 0 && info[0].IsObject()) {
+      Napi::Value v = info[0].As<Napi::Object>().Get("shelve");
+      if (!v.IsUndefined()) {
+        if (!v.IsBoolean()) throw Napi::TypeError::New(env0, "pack: shelve must be a boolean");
+        shelve = v.As<Napi::Boolean>().Value();
+      }
+    }
+    ss::PackResult r = vm.Pack(shelve);
     Napi::Env env = info.Env();
     Napi::Object o = Napi::Object::New(env);
     o.Set("packed", Napi::Boolean::New(env, r.packed));
@@ -350,6 +359,7 @@ Napi::Value VmPack(const Napi::CallbackInfo& info, vmm::Vm& vm) {
     o.Set("keptPages", Napi::Number::New(env, double(r.kept_pages)));
     o.Set("hostBytes", Napi::Number::New(env, double(r.host_bytes)));
     o.Set("ramTablesDropped", Napi::Boolean::New(env, r.ram_tables_dropped));
+    o.Set("shelved", Napi::Boolean::New(env, r.shelved));
     o.Set("totalUs", Napi::Number::New(env, double(r.total_ns) / 1000.0));
     return o;
   });

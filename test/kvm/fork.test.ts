@@ -4,7 +4,7 @@
 // children independent, memory freed on kill, corrupt templates refused, a
 // warm-up past its limit refused.
 import { execFileSync } from 'node:child_process';
-import { copyFileSync, cpSync, existsSync, mkdirSync, readFileSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
+import { copyFileSync, cpSync, existsSync, mkdirSync, readdirSync, readFileSync, readlinkSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
@@ -30,6 +30,14 @@ async function rejects(p: () => Promise<unknown>, match: RegExp): Promise<void> 
     return;
   }
   assert.unreachable(`expected a rejection matching ${match}`);
+}
+
+/** Polls `ok` (the engine's state) every `everyMs` until it holds; fails with `why()` past `deadline` (a Date.now()). */
+async function until(ok: () => boolean | Promise<boolean>, deadline: number, why: () => string, everyMs = 100): Promise<void> {
+  while (!(await ok())) {
+    assert.ok(Date.now() < deadline, why());
+    await new Promise((res) => setTimeout(res, everyMs));
+  }
 }
 
 function mappingsOf(path: string): number {
@@ -159,10 +167,7 @@ notInLab('reclaim: a child gives back the pages it wrote back to the template; i
     a!.reclaimWhenIdle(RECLAIM_IDLE_MS);
     const passes = (await a!.stats()).counters.reclaimPasses!;
     const deadline = Date.now() + 60_000;
-    while ((await a!.stats()).counters.reclaimPasses! <= passes) {
-      assert.ok(Date.now() < deadline, 'no reclaim pass while idle');
-      await new Promise((res) => setTimeout(res, 200));
-    }
+    await until(async () => (await a!.stats()).counters.reclaimPasses! > passes, deadline, () => 'no reclaim pass while idle', 200);
     assert.is((await a!.agent.eval('hashlib.sha256(X).hexdigest()')).value, want);
     assert.equal((await b!.agent.eval("('X' in globals(), WARM)")).value, [false, 'warm-42']);
     console.log(`    reclaim: private ${before} -> ${after} KiB (${r.droppedPages} of ${r.privatePages} pages given back)`);
@@ -181,12 +186,7 @@ labTest("pattern: idle children map what they hold alike from their template's p
     assert.is((await b!.agent.eval('MINE = "b"; WARM')).value, 'warm-42');
     // The pattern is built after the fork by a hidden child; idle children then run a pass with it.
     const deadline = Date.now() + 300_000;
-    const wait = async (what: string, ok: () => boolean) => {
-      while (!ok()) {
-        assert.ok(Date.now() < deadline, `${what}: not in time`);
-        await new Promise((res) => setTimeout(res, 100));
-      }
-    };
+    const wait = (what: string, ok: () => boolean) => until(ok, deadline, () => `${what}: not in time`);
     await wait('the pattern', () => !!e.patternOf(NAME)?.layer || !!e.patternOf(NAME)?.failed);
     // (thrown as it is: the lab's flakes of a restored child are told by their words, labTest)
     const failed = e.patternOf(NAME)?.failed;
@@ -223,10 +223,7 @@ labTest('doze: an idle child with nothing to run waits for input with its vCPUs 
     const bAsked = Date.now();
     const deadline = Date.now() + 120_000;
     const counters = async (k: typeof a) => (await k!.stats()).counters;
-    while ((await counters(a)).dozing !== 1 || b!.notQuiet === null) {
-      assert.ok(Date.now() < deadline, `no doze: a says ${a!.notQuiet}, b ${b!.notQuiet}`);
-      await new Promise((res) => setTimeout(res, 100));
-    }
+    await until(async () => (await counters(a)).dozing === 1 && b!.notQuiet !== null, deadline, () => `no doze: a says ${a!.notQuiet}, b ${b!.notQuiet}`);
     assert.match(b!.notQuiet ?? '', /^thread \d+ \(.*\) waits in clock_nanosleep with a timeout$/);
     assert.is((await counters(b)).dozes, 0, 'a child whose thread sleeps with a timeout dozed');
     // While it dozes its vCPUs do not run (no exit of any kind) and it writes no page.
@@ -243,18 +240,12 @@ labTest('doze: an idle child with nothing to run waits for input with its vCPUs 
     const woke = await counters(a);
     assert.ok(woke.dozes! >= 1 && woke.dozed_ms! >= 3000, JSON.stringify(woke));
     // Idle again, it dozes again; the guest told of no stall.
-    while ((await counters(a)).dozes! <= woke.dozes!) {
-      assert.ok(Date.now() < deadline, `no second doze: ${a!.notQuiet}`);
-      await new Promise((res) => setTimeout(res, 100));
-    }
+    await until(async () => (await counters(a)).dozes! > woke.dozes!, deadline, () => `no second doze: ${a!.notQuiet}`);
     assert.is((await a!.agent.eval('WARM + "!"')).value, 'warm-42!');
     const stalls = a!.console.filter((l) => /soft lockup|rcu.*stall|hung task/i.test(l));
     assert.equal(stalls, [], 'the guest reported a stall');
     const bBusy = b!.notQuiet;
-    while ((await counters(b)).dozing !== 1) {
-      assert.ok(Date.now() < bAsked + 120_000, `b never dozed after its thread ended: ${b!.notQuiet}`);
-      await new Promise((res) => setTimeout(res, 200));
-    }
+    await until(async () => (await counters(b)).dozing === 1, bAsked + 120_000, () => `b never dozed after its thread ended: ${b!.notQuiet}`, 200);
     assert.is(b!.notQuiet, null);
     console.log(`    doze: dozed ${woke.dozes} time(s), ${woke.dozed_ms} ms; private ${still.guestPrivateKiB} KiB and packed ${still.packedKiB} KiB while dozing (packs ${still.packs}, unpacks ${still.unpacks}, last pack ${JSON.stringify(a!.lastPack)}); b: ${bBusy}, then dozed ${((Date.now() - bAsked) / 1000).toFixed(1)} s after its thread started, unasked`);
   } finally {
@@ -271,10 +262,7 @@ labTest('pack: a dozing child keeps its private pages as the bytes that differ, 
     await k.agent.eval('import hashlib, os\nBLOB = bytearray(os.urandom(200000))\nDIGEST = hashlib.sha256(BLOB).hexdigest()');
     const counters = async () => (await k.stats()).counters;
     const deadline = Date.now() + 120_000;
-    while ((await counters()).packs! < 1) {
-      assert.ok(Date.now() < deadline, `no pack: ${k.notQuiet ?? 'quiet'}, ${JSON.stringify(k.lastPack)}`);
-      await new Promise((res) => setTimeout(res, 100));
-    }
+    await until(async () => (await counters()).packs! >= 1, deadline, () => `no pack: ${k.notQuiet ?? 'quiet'}, ${JSON.stringify(k.lastPack)}`);
     // The engine packed it after its doze: what it gave back is counted as the store's size.
     const first = await counters();
     const p = k.lastPack!;
@@ -291,55 +279,91 @@ labTest('pack: a dozing child keeps its private pages as the bytes that differ, 
     const frames = [...(vm.memoryUsage({ frames: true }).privateFrames ?? [])];
     assert.ok(frames.length > p.keptPages, `${frames.length} private pages once written back`);
     const before = frames.map((f) => vm.guestBytes(f * 4096, 4096));
-    const again = vm.pack();
-    assert.ok(again.packed, JSON.stringify(again));
+    const again = vm.pack({ shelve: false });
+    assert.ok(again.packed && !again.shelved, JSON.stringify(again));
     assert.is(again.privatePages, frames.length);
     assert.ok(vm.memoryUsage().guestPrivateBytes < frames.length * 4096);
     const after = frames.map((f) => vm.guestBytes(f * 4096, 4096));
     const differ = frames.filter((_, i) => !after[i]!.equals(before[i]!));
     assert.equal(differ, [], 'pages unlike what they were before the pack');
+    // Shelved too (its KVM VM closed) and made again by a read.
+    const shelved = vm.pack();
+    assert.ok(shelved.packed && shelved.shelved, JSON.stringify(shelved));
+    const back0 = frames.map((f) => vm.guestBytes(f * 4096, 4096));
+    const moved = frames.filter((_, i) => !back0[i]!.equals(before[i]!));
+    const words = moved.slice(0, 4).map((f) => {
+      const i = frames.indexOf(f);
+      const w: string[] = [];
+      for (let o = 0; o < 4096 && w.length < 4; o += 8)
+        if (back0[i]!.readBigUInt64LE(o) !== before[i]!.readBigUInt64LE(o)) w.push(`+${o.toString(16)} ${before[i]!.readBigUInt64LE(o).toString(16)}->${back0[i]!.readBigUInt64LE(o).toString(16)}`);
+      return `${f.toString(16)}: ${w.join(' ')}`;
+    });
+    console.log(`    shelve round trip: ${moved.length} of ${frames.length} pages changed ${words.join('; ')}`);
+    // The same bytes but for the guest's kvm-clock area of its vCPU (a pvclock_vcpu_time_info, 32
+    // bytes: version and TSC stamp), which KVM itself writes as it takes the vCPU up again.
+    const blocks = moved.map((f) => {
+      const i = frames.indexOf(f);
+      const b = new Set<number>();
+      for (let o = 0; o < 4096; o++) if (back0[i]![o] !== before[i]![o]) b.add(o >> 5);
+      return b.size;
+    });
+    assert.ok(moved.length <= 1 && blocks.every((n) => n === 1), `a shelve and unshelve changed more than a vCPU's kvm-clock area: ${words.join('; ')}`);
     // Input writes them back before the guest runs: its state is whole.
     assert.ok(vm.pack().packed, 'packed again (still dozing)');
     assert.is((await k.agent.eval('hashlib.sha256(BLOB).hexdigest() == DIGEST')).value, true);
     const woke = await counters();
     assert.is(woke.packed_pages, 0);
-    assert.is(woke.unpacks, 3);
+    assert.is(woke.unpacks, 4);
     assert.is(vm.pack().packed, false, 'an awake VM is not packed');
     // Packed with nothing left private, its page tables go too: the host's for its RAM (this
     // process's VmPTE) and KVM's nested ones (the lab's SecPageTables: its only VM now).
     const meminfo = (key: string) => Number(readFileSync('/proc/meminfo', 'utf8').match(new RegExp(`^${key}:\\s+(\\d+) kB`, 'm'))?.[1] ?? Number.NaN);
     const vmPte = () => Number(readFileSync('/proc/self/status', 'utf8').match(/^VmPTE:\s+(\d+) kB/m)?.[1] ?? Number.NaN);
+    // And its KVM VM is closed (shelved): this process holds its VM's and vCPU's files no more.
+    // ('anon_inode:kvm-vm', 'anon_inode:kvm-vcpu:0': not their stats files, kvm-vm-stats)
+    const kvmFiles = (kind: 'vm' | 'vcpu') =>
+      readdirSync('/proc/self/fd').filter((f) => {
+        try {
+          const l = readlinkSync(`/proc/self/fd/${f}`);
+          return kind === 'vm' ? l === 'anon_inode:kvm-vm' : l.startsWith('anon_inode:kvm-vcpu:');
+        } catch {
+          return false; // (closed meanwhile)
+        }
+      }).length;
     const awake = await counters();
-    const [pte0, sec0] = [vmPte(), meminfo('SecPageTables')];
-    while ((await counters()).packs! < 4) {
-      assert.ok(Date.now() < deadline, `no second pack by the engine: ${k.notQuiet ?? 'quiet'}`);
-      await new Promise((res) => setTimeout(res, 100));
-    }
-    const [pte1, sec1] = [vmPte(), meminfo('SecPageTables')];
+    const [pte0, sec0, vms0, vcpus0] = [vmPte(), meminfo('SecPageTables'), kvmFiles('vm'), kvmFiles('vcpu')];
+    await until(async () => (await counters()).packs! >= 5, deadline, () => `no second pack by the engine: ${k.notQuiet ?? 'quiet'}`);
+    const [pte1, sec1, vms1, vcpus1] = [vmPte(), meminfo('SecPageTables'), kvmFiles('vm'), kvmFiles('vcpu')];
     const deep = await counters();
-    assert.ok(k.lastPack?.ramTablesDropped, JSON.stringify(k.lastPack));
+    assert.ok(k.lastPack?.ramTablesDropped && k.lastPack.shelved, JSON.stringify(k.lastPack));
+    const said = (c: Record<string, number | undefined>) => JSON.stringify({ packs: c.packs, unpacks: c.unpacks, shelved: c.shelved, shelves: c.shelves, dozing: c.dozing, dozes: c.dozes, vsock_rx: c.vsock_rx_packets, vsock_tx: c.vsock_tx_packets, irqs: c.virtio_interrupts });
+    assert.is(deep.shelved, 1, said(deep));
+    assert.is(vms0 - vms1, 1, `KVM VM files ${vms0} -> ${vms1}`);
+    assert.is(vcpus0 - vcpus1, 1, `KVM vCPU files ${vcpus0} -> ${vcpus1}`);
+    assert.is(deep.host_kvm_run_bytes, 0);
+    assert.is(deep.host_vcpu_stack_bytes, 0);
     assert.is(deep.hostPageTableKiB, 0);
     assert.is(deep.hostNptKiB, 0);
     assert.ok(pte0 - pte1 >= awake.hostPageTableKiB! * 0.75, `VmPTE ${pte0} -> ${pte1} KiB; the child's tables were ${awake.hostPageTableKiB} KiB`);
     if (Number.isFinite(sec0)) assert.ok(sec0 - sec1 >= awake.hostNptKiB! * 0.5, `SecPageTables ${sec0} -> ${sec1} KiB; the child's nested tables counted ${awake.hostNptKiB} KiB`);
-    // Woken with its memory slots back, it runs.
+    // Woken, its KVM VM made again with its memory slots, it runs; its clock went on while it was away.
     assert.is((await k.agent.eval('hashlib.sha256(BLOB).hexdigest() == DIGEST')).value, true);
-    while ((await counters()).packs! < 5) {
-      assert.ok(Date.now() < deadline, `no third pack by the engine: ${k.notQuiet ?? 'quiet'}`);
-      await new Promise((res) => setTimeout(res, 100));
-    }
+    const t = ((await k.agent.eval('import time; time.time()')).value as number) - Date.now() / 1000;
+    assert.ok(Math.abs(t) < 1, `the unshelved child's clock is ${t} s off`);
+    const back = await counters();
+    assert.is(back.shelved, 0);
+    assert.is(kvmFiles('vm'), vms0, 'KVM VM files after the wake');
+    await until(async () => (await counters()).packs! >= 6, deadline, () => `no third pack by the engine: ${k.notQuiet ?? 'quiet'}`);
     // A branch of a packed child (its pause writes them back) continues from its state.
     const [c] = await e.branch(k, 1);
     assert.is((await c!.agent.eval('BLOB[7] = (BLOB[7] + 1) % 256; MINE = hashlib.sha256(BLOB).hexdigest(); MINE == DIGEST')).value, false);
     assert.is((await k.agent.eval('hashlib.sha256(BLOB).hexdigest() == DIGEST')).value, true);
     // The branch child too, its RAM mapped anew over its diff layer: packed, woken, whole.
-    while (((await c!.stats()).counters.packs ?? 0) < 1) {
-      assert.ok(Date.now() < deadline, `the branch child was not packed: ${c!.notQuiet ?? 'quiet'}`);
-      await new Promise((res) => setTimeout(res, 100));
-    }
+    await until(async () => ((await c!.stats()).counters.packs ?? 0) >= 1, deadline, () => `the branch child was not packed: ${c!.notQuiet ?? 'quiet'}`);
     assert.ok(c!.lastPack?.ramTablesDropped, JSON.stringify(c!.lastPack));
     assert.is((await c!.agent.eval('hashlib.sha256(BLOB).hexdigest() == MINE')).value, true);
     console.log(`    pack: ${p.privatePages} private pages, ${p.packedPages} packed into ${first.packed_bytes! / 1024} KiB, ${p.keptPages} kept; written back in ${woke.last_unpack_us} µs`);
+    console.log(`    shelved: KVM VM files ${vms0} -> ${vms1}, vCPU files ${vcpus0} -> ${vcpus1}; made again in ${back.last_unshelve_us} µs (lab: emulated)`);
     console.log(`    page tables freed with nothing left private: this process's VmPTE ${pte0} -> ${pte1} KiB (the child's counted ${awake.hostPageTableKiB} KiB), SecPageTables ${sec0} -> ${sec1} KiB (its nested tables counted ${awake.hostNptKiB} KiB)`);
   } finally {
     await e.close();

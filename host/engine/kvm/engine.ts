@@ -88,6 +88,13 @@ export interface KvmEngineOptions {
    * input wakes it (KvmSandbox.idlePass, native-vm.ts `pack`; default true).
    */
   pack?: boolean;
+  /**
+   * A packed child with nothing left private is shelved: its KVM VM closed and
+   * KVM's state of it kept in the host, so that KVM's kernel structures for it
+   * (VM, vCPUs, their threads) go too, until input makes it again (native-vm.ts
+   * `pack`; default true).
+   */
+  shelve?: boolean;
   /** Called with a line about slow first-use work (building the image `default`, creating the template `default`); default: nothing. */
   progress?: (line: string) => void;
 }
@@ -240,7 +247,7 @@ export class KvmEngine implements Engine {
 
   private async track(children: KvmSandbox[]): Promise<KvmSandbox[]> {
     await this.adopt(children);
-    for (const c of children) c.reclaimWhenIdle(this.reclaimIdleMs(), { doze: this.opts.doze !== false, pack: this.opts.pack !== false });
+    for (const c of children) c.reclaimWhenIdle(this.reclaimIdleMs(), { doze: this.opts.doze !== false, pack: this.opts.pack !== false, shelve: this.opts.shelve !== false });
     return children;
   }
 

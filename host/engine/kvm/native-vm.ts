@@ -94,6 +94,8 @@ export interface NativePack {
   hostBytes: number;
   /** Nothing was left private: KVM's nested tables and the host's page tables for its RAM were freed too, until it wakes. */
   ramTablesDropped: boolean;
+  /** And its KVM VM closed (its state kept in the host) until it wakes: no kernel structures of KVM left for it. */
+  shelved: boolean;
   totalUs: number;
 }
 
@@ -150,7 +152,7 @@ export interface NativeVm {
    * Counters `packed_pages`, `packed_bytes` (the store), `packs`, `unpacks`,
    * `last_unpack_us` (vmm/snapshot/packed_pages.h).
    */
-  pack(): NativePack;
+  pack(opts?: { shelve?: boolean }): NativePack;
   /**
    * A restored VM: its private pages (and small gaps between them) as a
    * pattern, an unlinked diff file in `dir`, for its siblings (vmm/snapshot/pattern.h).

@@ -210,6 +210,7 @@ export class KvmSandbox implements Sandbox {
   // timer ticks write no pages (~200 KiB within seconds) and cost no CPU.
   private dozeWanted = false;
   private packWanted = false;
+  private shelveWanted = false;
   /** The last pack of this child's pages (idlePass), or null. */
   lastPack: NativePack | null = null;
   /** The agent's `quiet` request of an idle pass in flight (its settling is not the user's idle). */
@@ -220,13 +221,15 @@ export class KvmSandbox implements Sandbox {
   /**
    * Reclaims `idleMs` after the agent last went idle (0: never); with `doze`,
    * a child that is quiet then dozes until input comes, and with `pack` too
-   * (both default true), its private pages are packed while it dozes.
+   * (both default true), its private pages are packed while it dozes, and
+   * with `shelve` (default true) its KVM VM is closed while nothing is private.
    */
-  reclaimWhenIdle(idleMs: number, opts: { doze?: boolean; pack?: boolean } = {}): void {
+  reclaimWhenIdle(idleMs: number, opts: { doze?: boolean; pack?: boolean; shelve?: boolean } = {}): void {
     if (!this.spec.restore || !(idleMs > 0) || !this.client) return;
     this.reclaimIdleMs = this.reclaimDelayMs = idleMs;
     this.dozeWanted = opts.doze !== false;
     this.packWanted = this.dozeWanted && opts.pack !== false;
+    this.shelveWanted = this.packWanted && opts.shelve !== false;
     this.client.onIdle(() => {
       if (this.askingQuiet) return;
       this.notQuietRetryMs = 0;
@@ -262,11 +265,11 @@ export class KvmSandbox implements Sandbox {
   /**
    * What an idle child does at its idle time: asks whether the guest is quiet
    * (first: the question writes pages the pass gives back), runs a pass, and
-   * dozes if it is and `doze`, then packs if `pack` (defaults: as reclaimWhenIdle said). Stops where
+   * dozes if it is and `doze`, then packs if `pack` and shelves if `shelve` (defaults: as reclaimWhenIdle said). Stops where
    * `busy` says a request came. The pattern's hidden children run it too, so
    * that the pattern holds what a child holds when it dozes (pattern.ts).
    */
-  async idlePass(opts: { busy?: () => boolean; doze?: boolean; pack?: boolean } = {}): Promise<void> {
+  async idlePass(opts: { busy?: () => boolean; doze?: boolean; pack?: boolean; shelve?: boolean } = {}): Promise<void> {
     const busy = opts.busy ?? (() => false);
     const started = this.client?.started ?? 0;
     let quiet = (opts.doze ?? this.dozeWanted) && !this.vm?.dozing() && (await this.askQuiet());
@@ -280,7 +283,7 @@ export class KvmSandbox implements Sandbox {
     await this.reclaimSlices(busy);
     if (quiet && !busy() && this.vm) this.vm.doze();
     // Dozing (now or since before a pass that only mapped from the pattern): packed until input comes.
-    if ((opts.pack ?? this.packWanted) && this.vm?.dozing() && !busy()) this.lastPack = this.vm.pack();
+    if ((opts.pack ?? this.packWanted) && this.vm?.dozing() && !busy()) this.lastPack = this.vm.pack({ shelve: opts.shelve ?? this.shelveWanted });
   }
 
   /**

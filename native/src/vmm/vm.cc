@@ -20,6 +20,7 @@
 #include "vmm/virtio_rng.h"
 #include "vmm/snapshot/packed_pages.h"
 #include "vmm/snapshot/pattern.h"
+#include "vmm/snapshot/vm_shelf.h"
 #include "vmm/virtio_vsock.h"
 
 namespace forkling::vmm {
@@ -159,6 +160,10 @@ void Vm::SetupVm() {
   if (kvm_fd_ < 0) ThrowErrno("cannot open /dev/kvm");
   if (ioctl(kvm_fd_, KVM_GET_API_VERSION, 0) != KVM_API_VERSION)
     throw std::runtime_error("/dev/kvm speaks an unexpected KVM API version");
+  CreateKvmVm();
+}
+
+void Vm::CreateKvmVm() {
   vm_fd_ = Ioctl(kvm_fd_, KVM_CREATE_VM, 0ul, "KVM_CREATE_VM");
   Ioctl(vm_fd_, KVM_SET_TSS_ADDR, layout::kTssAddr, "KVM_SET_TSS_ADDR");
   uint64_t idmap = layout::kIdentityMapAddr;
@@ -276,15 +281,61 @@ void Vm::SetupDevices() {
 }
 
 void Vm::SetupVcpu(uint32_t index) {
-  auto v = std::make_unique<Vcpu>();
-  v->fd = Ioctl(vm_fd_, KVM_CREATE_VCPU, index, "KVM_CREATE_VCPU");
+  vcpus_.push_back(std::make_unique<Vcpu>());
+  Vcpu& vc = *vcpus_.back();
+  OpenVcpu(vc, index);
+
+  // MSRs a BIOS would leave set: fast strings, and MTRRs enabled with
+  // write-back as the default type (else the guest may map RAM uncached).
+  const std::pair<uint32_t, uint64_t> msrs[] = {
+      {0x174, 0}, {0x175, 0}, {0x176, 0},                                   // SYSENTER_CS/ESP/EIP
+      {0xc0000081, 0}, {0xc0000082, 0}, {0xc0000083, 0}, {0xc0000084, 0},   // STAR/LSTAR/CSTAR/FMASK
+      {0xc0000102, 0},                                                      // KERNEL_GS_BASE
+      {0x1a0, 1},                                                           // MISC_ENABLE: fast strings
+      {0x2ff, (1u << 11) | 6},                                              // MTRRdefType: E, WB
+  };
+  for (const auto& [index_msr, value] : msrs) {
+    struct {
+      FlexHeader hdr;
+      kvm_msr_entry e;
+    } m;
+    std::memset(&m, 0, sizeof m);
+    m.hdr.count = 1;
+    m.e.index = index_msr;
+    m.e.data = value;
+    ioctl(vc.fd, kSetMsrs, &m);  // best effort: a CPU without one of them boots anyway
+  }
+
+  // LAPIC: LINT0 = ExtINT (the 8259 behind it), LINT1 = NMI, as a BIOS sets them.
+  kvm_lapic_state lapic;
+  Ioctl(vc.fd, KVM_GET_LAPIC, &lapic, "KVM_GET_LAPIC");
+  auto lvt = [&](int off, uint32_t mode) {
+    uint32_t r;
+    std::memcpy(&r, lapic.regs + off, 4);
+    r = (r & ~0x700u) | (mode << 8);
+    std::memcpy(lapic.regs + off, &r, 4);
+  };
+  lvt(0x350, 7);
+  lvt(0x360, 4);
+  Ioctl(vc.fd, KVM_SET_LAPIC, &lapic, "KVM_SET_LAPIC");
+
+  kvm_fpu fpu;
+  std::memset(&fpu, 0, sizeof fpu);
+  fpu.fcw = 0x37f;
+  fpu.mxcsr = 0x1f80;
+  Ioctl(vc.fd, KVM_SET_FPU, &fpu, "KVM_SET_FPU");
+
+  // Application processors wait in KVM for INIT/SIPI from the BSP.
+  if (index == 0) SetupBootRegisters(vc, entry_);
+}
+
+void Vm::OpenVcpu(Vcpu& vc, uint32_t index) {
+  vc.fd = Ioctl(vm_fd_, KVM_CREATE_VCPU, index, "KVM_CREATE_VCPU");
   int size = Ioctl(kvm_fd_, KVM_GET_VCPU_MMAP_SIZE, 0ul, "KVM_GET_VCPU_MMAP_SIZE");
-  void* run = mmap(nullptr, size_t(size), PROT_READ | PROT_WRITE, MAP_SHARED, v->fd, 0);
+  void* run = mmap(nullptr, size_t(size), PROT_READ | PROT_WRITE, MAP_SHARED, vc.fd, 0);
   if (run == MAP_FAILED) ThrowErrno("mmap kvm_run");
-  v->run = static_cast<kvm_run*>(run);
-  v->run_size = size_t(size);
-  Vcpu& vc = *v;
-  vcpus_.push_back(std::move(v));
+  vc.run = static_cast<kvm_run*>(run);
+  vc.run_size = size_t(size);
 
   // CPUID: what KVM supports (this keeps the KVM paravirt leaves 0x40000000..,
   // so the guest uses kvm-clock), with this vCPU's APIC id and a topology of
@@ -333,49 +384,6 @@ void Vm::SetupVcpu(uint32_t index) {
     }
   }
   Ioctl(vc.fd, kSetCpuid2, cpuid, "KVM_SET_CPUID2");
-
-  // MSRs a BIOS would leave set: fast strings, and MTRRs enabled with
-  // write-back as the default type (else the guest may map RAM uncached).
-  const std::pair<uint32_t, uint64_t> msrs[] = {
-      {0x174, 0}, {0x175, 0}, {0x176, 0},                                   // SYSENTER_CS/ESP/EIP
-      {0xc0000081, 0}, {0xc0000082, 0}, {0xc0000083, 0}, {0xc0000084, 0},   // STAR/LSTAR/CSTAR/FMASK
-      {0xc0000102, 0},                                                      // KERNEL_GS_BASE
-      {0x1a0, 1},                                                           // MISC_ENABLE: fast strings
-      {0x2ff, (1u << 11) | 6},                                              // MTRRdefType: E, WB
-  };
-  for (const auto& [index_msr, value] : msrs) {
-    struct {
-      FlexHeader hdr;
-      kvm_msr_entry e;
-    } m;
-    std::memset(&m, 0, sizeof m);
-    m.hdr.count = 1;
-    m.e.index = index_msr;
-    m.e.data = value;
-    ioctl(vc.fd, kSetMsrs, &m);  // best effort: a CPU without one of them boots anyway
-  }
-
-  // LAPIC: LINT0 = ExtINT (the 8259 behind it), LINT1 = NMI, as a BIOS sets them.
-  kvm_lapic_state lapic;
-  Ioctl(vc.fd, KVM_GET_LAPIC, &lapic, "KVM_GET_LAPIC");
-  auto lvt = [&](int off, uint32_t mode) {
-    uint32_t r;
-    std::memcpy(&r, lapic.regs + off, 4);
-    r = (r & ~0x700u) | (mode << 8);
-    std::memcpy(lapic.regs + off, &r, 4);
-  };
-  lvt(0x350, 7);
-  lvt(0x360, 4);
-  Ioctl(vc.fd, KVM_SET_LAPIC, &lapic, "KVM_SET_LAPIC");
-
-  kvm_fpu fpu;
-  std::memset(&fpu, 0, sizeof fpu);
-  fpu.fcw = 0x37f;
-  fpu.mxcsr = 0x1f80;
-  Ioctl(vc.fd, KVM_SET_FPU, &fpu, "KVM_SET_FPU");
-
-  // Application processors wait in KVM for INIT/SIPI from the BSP.
-  if (index == 0) SetupBootRegisters(vc, entry_);
 }
 
 void Vm::SetupBootRegisters(Vcpu& v, uint64_t entry) {
@@ -424,12 +432,14 @@ void Vm::SetupBootRegisters(Vcpu& v, uint64_t entry) {
 
 void Vm::Start() {
   if (started_.exchange(true)) return;
-  for (uint32_t i = 0; i < vcpus_.size(); i++) {
-    Vcpu& v = *vcpus_[i];
-    v.thread = VmmThread([this, i] { VcpuLoop(i); });
-    v.tid = v.thread.native_handle();
-    v.in_thread = true;
-  }
+  for (uint32_t i = 0; i < vcpus_.size(); i++) StartVcpuThread(i);
+}
+
+void Vm::StartVcpuThread(uint32_t index) {
+  Vcpu& v = *vcpus_[index];
+  v.thread = VmmThread([this, index] { VcpuLoop(index); });
+  v.tid = v.thread.native_handle();
+  v.in_thread = true;
 }
 
 void Vm::VcpuLoop(uint32_t index) {
@@ -465,10 +475,11 @@ void Vm::VcpuLoop(uint32_t index) {
     }
     {
       std::unique_lock<std::mutex> l(run_mu_);
+      if (shelving_) break;  // (Shelve joins this thread; Unshelve starts another)
       if (pause_requested_ || holds_ || dozing_) {
         paused_count_++;
         run_cv_.notify_all();
-        run_cv_.wait(l, [&] { return (!pause_requested_ && !holds_ && !dozing_) || stop_flag_.load(); });
+        run_cv_.wait(l, [&] { return (!pause_requested_ && !holds_ && !dozing_) || shelving_ || stop_flag_.load(); });
         paused_count_--;
         continue;
       }
@@ -716,6 +727,7 @@ bool Vm::Doze() {
 
 void Vm::Wake() {
   if (!dozing_.load()) return;
+  Unpack();  // (a shelved VM has no vCPU thread to do it, nor a KVM VM to take an interrupt)
   std::lock_guard<std::mutex> l(run_mu_);
   if (!dozing_) return;
   dozing_ = false;
@@ -732,7 +744,7 @@ void Vm::Hold() {
   Unpack();  // (a holder reads or writes RAM)
 }
 
-snapshot::PackResult Vm::Pack() {
+snapshot::PackResult Vm::Pack(bool shelve) {
   snapshot::PackResult r;
   if (!origin_ || !started_ || stop_flag_ || !dozing_ || packed_flag_) return r;
   Hold();
@@ -764,6 +776,7 @@ snapshot::PackResult Vm::Pack() {
     packed_bytes_ = r.host_bytes;
     packs_++;
     if (r.kept_pages == 0) r.ram_tables_dropped = DropRamTables();
+    if (r.ram_tables_dropped && shelve) r.shelved = Shelve();
   }
   return r;
 }
@@ -774,9 +787,13 @@ void Vm::Unpack() {
   if (!packed_) return;
   const auto t0 = std::chrono::steady_clock::now();
   const bool ok = ram_.host() && packed_->Apply(ram_.host(), ram_.size() / 4096);
-  const bool slots_ok = !memslots_removed_ || AddMemslots();
-  memslots_removed_ = false;
-  if (!slots_ok) RequestStop("error", std::string("KVM_SET_USER_MEMORY_REGION failed as the VM woke: ") + std::strerror(errno));
+  if (shelf_) {
+    Unshelve();  // (its memslots too)
+  } else {
+    const bool slots_ok = !memslots_removed_ || AddMemslots();
+    memslots_removed_ = false;
+    if (!slots_ok) RequestStop("error", std::string("KVM_SET_USER_MEMORY_REGION failed as the VM woke: ") + std::strerror(errno));
+  }
   packed_.reset();
   packed_flag_ = false;
   packed_pages_ = 0;
@@ -851,6 +868,8 @@ void Vm::Kill() {
     halt_cv_.notify_all();
   }
   if (halt_thread_.joinable()) halt_thread_.join();
+  // (an Unshelve under way on another thread ends first; after it, none starts a vCPU thread)
+  { std::lock_guard<std::mutex> l(pack_mu_); }
   for (auto& v : vcpus_) {
     if (v->thread.joinable()) v->thread.join();
     v->in_thread = false;
@@ -871,6 +890,8 @@ void Vm::Kill() {
   {
     std::lock_guard<std::mutex> l(pack_mu_);
     packed_.reset();
+    shelf_.reset();
+    kvm_stats_.reset();  // (its file holds the KVM VM too)
     packed_flag_ = false;
     packed_pages_ = packed_bytes_ = 0;
   }
@@ -938,9 +959,11 @@ Vm::Stats Vm::GetStats() {
   s.memory_bytes = cfg_.memory_bytes;
   s.resident_bytes = ram_.ResidentBytes();
   uint64_t stacks = 0, runs = 0, npt = 0;
+  // (under pack_mu_: a shelve or unshelve on another thread changes the vCPUs and the KVM VM)
+  std::lock_guard<std::mutex> pl(pack_mu_);
   for (const auto& v : vcpus_) {
     stacks += ResidentOf(v->stack_lo.load(), v->stack_size.load());
-    runs += ResidentOf(reinterpret_cast<uintptr_t>(v->run), v->run_size);
+    if (v->run) runs += ResidentOf(reinterpret_cast<uintptr_t>(v->run), v->run_size);
   }
   if (!kvm_stats_ && vm_fd_ >= 0) kvm_stats_ = std::make_unique<KvmStats>(ioctl(vm_fd_, KVM_GET_STATS_FD, 0));
   if (kvm_stats_ && kvm_stats_->ok()) {
@@ -969,6 +992,9 @@ Vm::Stats Vm::GetStats() {
   s.counters.emplace_back("packs", packs_.load());
   s.counters.emplace_back("unpacks", unpacks_.load());
   s.counters.emplace_back("last_unpack_us", last_unpack_ns_.load() / 1000);
+  s.counters.emplace_back("shelved", shelf_ ? 1 : 0);
+  s.counters.emplace_back("shelves", shelves_.load());
+  s.counters.emplace_back("last_unshelve_us", last_unshelve_ns_.load() / 1000);
   uint64_t irqs = 0;
   for (const auto& d : virtio_) irqs += d->interrupts_sent();
   s.counters.emplace_back("virtio_interrupts", irqs);

@@ -33,6 +33,7 @@ class DiffLayer;
 class PackedPages;
 class PatternBacking;
 struct PackResult;
+struct Shelf;
 }
 
 // An open file descriptor shared by the specs and VMs that use it; closed
@@ -131,10 +132,14 @@ class Vm {
   // Pack (vmm/snapshot/packed_pages.h): a dozing VM's private pages kept as
   // the bytes in which they differ from what backs them, the pages given
   // back. Nothing unless the VM is restored, dozes and holds nothing packed.
-  // Unpack writes them back; every reader and writer of guest RAM calls it
-  // first (vCPUs before KVM_RUN, Hold, Pause, the vsock loop's passes), and
-  // it costs one atomic load when nothing is packed. Any thread.
-  snapshot::PackResult Pack();
+  // With nothing left private, the pack frees the VM's page tables
+  // (DropRamTables) and then shelves the KVM VM itself (Shelve). Unpack
+  // writes them back, and makes the KVM VM again if it was shelved; every
+  // reader and writer of guest RAM and every user of the KVM VM calls it
+  // first (vCPUs before KVM_RUN, Hold, Pause, the vsock loop's passes, an
+  // interrupt for the guest), and it costs one atomic load when nothing is
+  // packed. Any thread.
+  snapshot::PackResult Pack(bool shelve = true);
   void Unpack();
   // Stops the vCPUs, joins every thread, resets the devices and frees guest
   // RAM. Idempotent. Must not be called from a vCPU thread.
@@ -210,6 +215,18 @@ class Vm {
   // that KVM frees its nested page tables, and its RAM mapped anew as restored, so that the
   // host's page tables for it go with the old mapping. Unpack adds the memslots back.
   bool DropRamTables();
+  // Pack's third step (snapshot/vm_shelf.cc), once the memslots are gone: KVM's state of the VM
+  // and its vCPUs is read into the shelf, the vCPU threads end and the KVM VM is closed, so that
+  // a dozing VM holds none of KVM's kernel structures (VM, vCPUs, irqchip, PIT, their threads'
+  // kernel stacks). Unshelve (in Unpack, before the memslots come back) makes it again from the
+  // shelf with its clocks advanced by the time it was away, and starts the vCPU threads.
+  bool Shelve();
+  void Unshelve();
+  // KVM_CREATE_VCPU for vcpu `index` into `v`, its kvm_run mapped, its CPUID set (SetupVcpu, Unshelve).
+  void OpenVcpu(Vcpu& v, uint32_t index);
+  // KVM_CREATE_VM and the in-kernel irqchip and PIT (SetupVm, Unshelve).
+  void CreateKvmVm();
+  void StartVcpuThread(uint32_t index);
   void LoadGuest();
   void SetupDevices();
   void SetupVcpu(uint32_t index);
@@ -232,7 +249,7 @@ class Vm {
   std::shared_ptr<const RestoreSpec> origin_;
   std::shared_ptr<snapshot::PatternBacking> pattern_;
   int kvm_fd_ = -1;
-  int vm_fd_ = -1;
+  std::atomic<int> vm_fd_{-1};
   GuestRam ram_;
   std::vector<std::unique_ptr<Vcpu>> vcpus_;
   uint64_t entry_ = 0;
@@ -277,6 +294,11 @@ class Vm {
   std::atomic<bool> packed_flag_{false};
   bool memslots_removed_ = false;
   std::atomic<uint64_t> packed_pages_{0}, packed_bytes_{0}, packs_{0}, unpacks_{0}, last_unpack_ns_{0};
+  // Shelved (Shelve): set and taken under pack_mu_; the vCPU threads leave their loop while
+  // shelving_ is set (under run_mu_). vm_fd_ is -1 while shelved.
+  std::unique_ptr<snapshot::Shelf> shelf_;
+  bool shelving_ = false;
+  std::atomic<uint64_t> shelves_{0}, last_unshelve_ns_{0};
 
   std::atomic<uint64_t> exits_[kExitKinds] = {};
   std::atomic<uint64_t> console_bytes_{0};

@@ -79,6 +79,8 @@ struct PackResult {
   // Nothing was left private: KVM's nested tables and the host's page tables for its RAM were
   // freed too (vm.h DropRamTables) until it wakes.
   bool ram_tables_dropped = false;
+  // And its KVM VM was closed, KVM's state of it kept (vm.h Shelve) until it wakes.
+  bool shelved = false;
   uint64_t total_ns = 0;
 };
 

@@ -15,7 +15,8 @@
 #include "vmm/snapshot/checksum.h"
 #include "vmm/snapshot/diff_layer.h"
 #include "vmm/snapshot/kvm_state.h"
-#include "vmm/snapshot/packed_pages.h"  // (Vm owns a PackedPages: its constructors here destroy one on failure)
+#include "vmm/snapshot/packed_pages.h"  // (Vm owns a PackedPages and a Shelf: its constructors here destroy them on failure)
+#include "vmm/snapshot/vm_shelf.h"
 #include "vmm/layout.h"
 #include "vmm/snapshot/pagemap.h"
 #include "vmm/snapshot/pattern.h"
