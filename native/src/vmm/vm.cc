@@ -786,7 +786,19 @@ void Vm::Unpack() {
   std::lock_guard<std::mutex> l(pack_mu_);
   if (!packed_) return;
   const auto t0 = std::chrono::steady_clock::now();
-  const bool ok = ram_.host() && packed_->Apply(ram_.host(), ram_.size() / 4096);
+  bool mapped = true;
+  if (ram_reserved_) {
+    ram_reserved_ = false;
+    try {
+      MapRamAgain();
+    } catch (const std::exception& e) {
+      // Zeros rather than an inaccessible range: a device may still read its rings before it stops.
+      mmap(ram_.host(), ram_.size(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+      RequestStop("error", std::string("its RAM could not be mapped again as it woke: ") + e.what());
+      mapped = false;
+    }
+  }
+  const bool ok = !mapped || (ram_.host() && packed_->Apply(ram_.host(), ram_.size() / 4096));
   if (shelf_) {
     Unshelve();  // (its memslots too)
   } else {

@@ -215,6 +215,9 @@ class Vm {
   // that KVM frees its nested page tables, and its RAM mapped anew as restored, so that the
   // host's page tables for it go with the old mapping. Unpack adds the memslots back.
   bool DropRamTables();
+  // RAM mapped as a restore maps it (memory file, diff layers, pattern stretches), in place
+  // (Unpack after DropRamTables). Throws std::system_error or std::runtime_error.
+  void MapRamAgain();
   // Pack's third step (snapshot/vm_shelf.cc), once the memslots are gone: KVM's state of the VM
   // and its vCPUs is read into the shelf, the vCPU threads end and the KVM VM is closed, so that
   // a dozing VM holds none of KVM's kernel structures (VM, vCPUs, irqchip, PIT, their threads'
@@ -293,6 +296,7 @@ class Vm {
   std::unique_ptr<snapshot::PackedPages> packed_;
   std::atomic<bool> packed_flag_{false};
   bool memslots_removed_ = false;
+  bool ram_reserved_ = false;  // DropRamTables left one inaccessible mapping over RAM
   std::atomic<uint64_t> packed_pages_{0}, packed_bytes_{0}, packs_{0}, unpacks_{0}, last_unpack_ns_{0};
   // Shelved (Shelve): set and taken under pack_mu_; the vCPU threads leave their loop while
   // shelving_ is set (under run_mu_). vm_fd_ is -1 while shelved.

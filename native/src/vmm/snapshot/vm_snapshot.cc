@@ -179,16 +179,26 @@ bool Vm::DropRamTables() {
     }
   }
   memslots_removed_ = true;
-  try {
-    // In place: the old mapping, and the page tables that map it, go in the same call (no gap another thread could map into).
-    MapLayered(origin_->memory_fd->get(), ram_.size(), origin_->layers, ram_.host());
-    madvise(ram_.host(), ram_.size(), MADV_DONTDUMP);
-    if (pattern_ && !pattern_->MapAgain(ram_.host())) throw std::runtime_error("mmap of its pattern failed");
-  } catch (const std::exception& e) {
-    RequestStop("error", std::string("its RAM could not be mapped again while it dozed: ") + e.what());
+  // In place: the old mapping, and the page tables that map it, go in the same call (no gap
+  // another thread could map into). Until it wakes, one inaccessible mapping holds the range: its
+  // layers and pattern stretches took a mapping each (VMAs, kernel memory), and nothing reads
+  // RAM before Unpack maps them again (MapRamAgain).
+  if (mmap(ram_.host(), ram_.size(), PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0) == MAP_FAILED) {
+    try {
+      MapRamAgain();  // (as it was, with new page tables)
+    } catch (const std::exception& e) {
+      RequestStop("error", std::string("its RAM could not be mapped again while it dozed: ") + e.what());
+    }
     return false;
   }
+  ram_reserved_ = true;
   return true;
+}
+
+void Vm::MapRamAgain() {
+  MapLayered(origin_->memory_fd->get(), ram_.size(), origin_->layers, ram_.host());
+  madvise(ram_.host(), ram_.size(), MADV_DONTDUMP);
+  if (pattern_ && !pattern_->MapAgain(ram_.host())) throw std::runtime_error("mmap of its pattern failed");
 }
 
 SharedFd::~SharedFd() {
