@@ -23,8 +23,7 @@
 // process first moves into a memory cgroup of its own, and each fork adds
 // that cgroup's growth per child (memory.current: all the kernel charges to
 // it, guest pages and KVM's structures alike, without other processes' noise).
-import { execFileSync } from 'node:child_process';
-import { existsSync, mkdirSync, mkdtempSync, readdirSync, readFileSync, rmdirSync, rmSync, writeFileSync } from 'node:fs';
+import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import { parseArgs } from 'node:util';
@@ -33,6 +32,7 @@ import type { NativePreparedVm, NativeSnapshot, NativeVm } from '../host/engine/
 import { nativeVmClass } from '../host/engine/kvm/native-vm.ts';
 import { snapshotNative } from '../host/engine/kvm/snapshot-native.ts';
 import { labRetry } from '../test/kvm/lab-flake.ts';
+import { enterMemoryCgroup, type MemoryCgroup } from './memory-cgroup.ts';
 import { counterOf, DIRTY_MEMORY_MIB, writeTinyGuest } from '../test/kvm/tiny-guest.ts';
 
 const { values } = parseArgs({
@@ -53,43 +53,14 @@ function kib(field: string, text: string): number {
   const m = new RegExp(`^${field}:\\s+(\\d+) kB`, 'm').exec(text);
   return m ? Number(m[1]) : 0;
 }
-const CGROUP_ROOT = '/sys/fs/cgroup';
-/** --cgroup: the memory cgroup this process moved into (removed at exit). */
-let cgroupDir: string | null = null;
-function enterCgroup(): void {
-  if (!existsSync(`${CGROUP_ROOT}/cgroup.controllers`)) {
-    // Mounted here only where nothing is (the lab): a host with cgroup v1 there keeps it.
-    if (readdirSync(CGROUP_ROOT).length > 0) throw new Error(`--cgroup needs cgroup v2 at ${CGROUP_ROOT}`);
-    execFileSync('mount', ['-t', 'cgroup2', 'none', CGROUP_ROOT]);
-  }
-  writeFileSync(`${CGROUP_ROOT}/cgroup.subtree_control`, '+memory');
-  const dir = `${CGROUP_ROOT}/forkling-bench-${process.pid}`;
-  mkdirSync(dir);
-  try {
-    writeFileSync(`${dir}/cgroup.procs`, String(process.pid));
-  } catch (e) {
-    rmdirSync(dir);
-    throw e;
-  }
-  cgroupDir = dir;
-}
-function leaveCgroup(): void {
-  if (!cgroupDir) return;
-  try {
-    writeFileSync(`${CGROUP_ROOT}/cgroup.procs`, String(process.pid));
-    rmdirSync(cgroupDir);
-  } catch (e) {
-    console.error(`could not remove the bench's cgroup ${cgroupDir}: ${(e as Error).message}`);
-  }
-  cgroupDir = null;
-}
+/** --cgroup: the memory cgroup this process moved into (left at exit). */
+let cgroup: MemoryCgroup | null = null;
 
 /** This process's anonymous memory, and the kernel's page tables, guest page tables, slab and vmalloc (system-wide); its cgroup's memory with --cgroup. */
 function hostMemory(): Record<'anon' | 'pageTables' | 'secPageTables' | 'slab' | 'vmalloc' | 'cgroup', number> {
   const r = readFileSync('/proc/self/smaps_rollup', 'utf8');
   const m = readFileSync('/proc/meminfo', 'utf8');
-  const cgroup = cgroupDir ? Number(readFileSync(`${cgroupDir}/memory.current`, 'utf8')) / 1024 : Number.NaN;
-  return { anon: kib('Anonymous', r), pageTables: kib('PageTables', m), secPageTables: kib('SecPageTables', m), slab: kib('Slab', m), vmalloc: kib('VmallocUsed', m), cgroup };
+  return { anon: kib('Anonymous', r), pageTables: kib('PageTables', m), secPageTables: kib('SecPageTables', m), slab: kib('Slab', m), vmalloc: kib('VmallocUsed', m), cgroup: cgroup?.currentKiB() ?? Number.NaN };
 }
 /**
  * What the host holds per child beyond the child's own guest pages (`guestKiB`
@@ -101,10 +72,10 @@ function hostMemory(): Record<'anon' | 'pageTables' | 'secPageTables' | 'slab' |
 function hostPerChild(before: ReturnType<typeof hostMemory>, after: ReturnType<typeof hostMemory>, n: number, guestKiB: number): { kib: number; note: string } {
   const d = (k: keyof typeof before) => (after[k] - before[k]) / n;
   const parts = { anon: d('anon') - guestKiB / n, pageTables: d('pageTables'), secPageTables: d('secPageTables'), slab: d('slab'), vmalloc: d('vmalloc') };
-  const cgroup = cgroupDir ? `; the memory cgroup grew ${f(d('cgroup'))} KiB per child (guest pages included)` : '';
+  const grew = cgroup ? `; the memory cgroup grew ${f(d('cgroup'))} KiB per child (guest pages included)` : '';
   return {
     kib: Object.values(parts).reduce((a, b) => a + b, 0),
-    note: `host per child: other anon ${f(parts.anon)}, page tables ${f(parts.pageTables)}, SecPageTables ${f(parts.secPageTables)}, slab ${f(parts.slab)}, vmalloc ${f(parts.vmalloc)} KiB${cgroup}`,
+    note: `host per child: other anon ${f(parts.anon)}, page tables ${f(parts.pageTables)}, SecPageTables ${f(parts.secPageTables)}, slab ${f(parts.slab)}, vmalloc ${f(parts.vmalloc)} KiB${grew}`,
   };
 }
 
@@ -381,11 +352,11 @@ async function linux(): Promise<void> {
 }
 
 if (values.guest !== 'linux' && values.guest !== 'tiny') throw new Error('--guest tiny|linux');
-if (values.cgroup) enterCgroup();
+if (values.cgroup) cgroup = enterMemoryCgroup('forkling-bench');
 try {
   if (values.guest === 'linux') await linux();
   else await tiny();
 } finally {
-  leaveCgroup();
+  cgroup?.leave();
 }
 process.exit(0);
