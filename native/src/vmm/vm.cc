@@ -684,10 +684,9 @@ void Vm::RequestStop(const std::string& reason, const std::string& message) {
 }
 
 void Vm::KickAll() {
-  {
-    std::lock_guard<std::mutex> l(run_mu_);
-    run_cv_.notify_all();
-  }
+  // (under run_mu_: Shelve ends the threads and unmaps kvm_run after it clears in_thread under it)
+  std::lock_guard<std::mutex> l(run_mu_);
+  run_cv_.notify_all();
   for (auto& v : vcpus_) {
     if (!v->in_thread) continue;
     __atomic_store_n(&v->run->immediate_exit, 1, __ATOMIC_SEQ_CST);
@@ -852,13 +851,16 @@ void Vm::HaltWatch() {
     l.unlock();
     Hold();
     bool all_halted = !stop_flag_;
-    for (auto& v : vcpus_) {
-      kvm_mp_state mp;
-      kvm_regs r;
-      if (ioctl(v->fd, KVM_GET_MP_STATE, &mp) != 0 || ioctl(v->fd, KVM_GET_REGS, &r) != 0 ||
-          mp.mp_state != KVM_MP_STATE_HALTED || (r.rflags & 0x200)) {
-        all_halted = false;
-        break;
+    {
+      std::lock_guard<std::mutex> pl(pack_mu_);  // (the vCPU files: a pack on another thread may shelve the VM)
+      for (auto& v : vcpus_) {
+        kvm_mp_state mp;
+        kvm_regs r;
+        if (v->fd < 0 || ioctl(v->fd, KVM_GET_MP_STATE, &mp) != 0 || ioctl(v->fd, KVM_GET_REGS, &r) != 0 ||
+            mp.mp_state != KVM_MP_STATE_HALTED || (r.rflags & 0x200)) {
+          all_halted = false;
+          break;
+        }
       }
     }
     Release();

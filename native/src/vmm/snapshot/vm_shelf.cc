@@ -33,6 +33,10 @@ bool Vm::Shelve() {
   // Pack calls this with the VM held and dozing, the vsock loop held, pack_mu_ taken and the
   // memslots removed: no vCPU is in KVM_RUN and nothing else uses the KVM VM.
   if (shelf_ || vm_fd_ < 0 || stop_flag_) return false;
+  {
+    std::lock_guard<std::mutex> l(halt_mu_);
+    if (halt_hint_) return false;  // (it said it powers off: the halt watch reads its vCPUs)
+  }
   auto shelf = std::make_unique<snapshot::Shelf>();
   try {
     shelf->vm = snapshot::CaptureVm(vm_fd_);

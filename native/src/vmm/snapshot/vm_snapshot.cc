@@ -157,6 +157,7 @@ void Vm::SetPattern(std::shared_ptr<const DiffLayer> layer) {
     throw std::runtime_error("only a VM restored from a template (not a branch) can map a pattern");
   if (pattern_) throw std::runtime_error("this VM has a pattern already");
   if (!layer || layer->ram_size() != ram_.size()) throw std::invalid_argument("the pattern is of a VM with another RAM size");
+  std::lock_guard<std::mutex> l(pack_mu_);  // (Unpack maps its stretches again, on any thread)
   pattern_ = std::make_shared<PatternBacking>(std::move(layer));
 }
 
@@ -341,6 +342,7 @@ namespace snapshot {
 TemplateWritten WriteTemplate(Vm& vm, const std::string& dir) {
   TemplateWritten r;
   auto t0 = std::chrono::steady_clock::now();
+  vm.Unpack();  // (the owner's Pause did, for a VM paused as it must be: this for one that was not)
   std::vector<Section> sections = vm.SaveState();
   auto t1 = std::chrono::steady_clock::now();
   const GuestRam& ram = vm.ram();
