@@ -146,8 +146,9 @@ test('quiet: true while nothing but the agent would run; else it names the threa
   assert.is(r.quiet, true, `a thread that waits with no timeout: ${r.busy}`);
   await c.eval('_ev.set(); _t.join()');
   // A thread that spins is busy (it is looked at again for a few ms only: a thread on its way to a wait is not).
+  // (asked until it says so: under load a look may find it blocked on the GIL's mutex, a wait with no timeout)
   await c.eval('_spin = True\ndef _spinner():\n    while _spin: pass\n_t = threading.Thread(target=_spinner, daemon=True)\n_t.start()');
-  r = await quiet();
+  r = await busyUntil(/^thread \d+ \(.*\) (runs|waits in futex with a timeout)$/);
   await c.eval('_spin = False; _t.join()');
   assert.is(r.quiet, false);
   assert.match(r.busy ?? '', /^thread \d+ \(.*\) (runs|waits in futex with a timeout)$/, `busy: ${r.busy}`);
