@@ -377,6 +377,8 @@ def _server_fork(agent, children):
             _drop_server()  # (out of step)
             res = e
     why = 'the fork server exited' if res is None else 'the fork server failed: %s' % res
+    if not children:  # (the engine's prepare: an error is the only way to say so; the next fork starts another)
+        raise OSError(errno.EIO, why)
     return [{'id': ch['id'], 'ok': False, 'error': why} for ch in children]
 
 

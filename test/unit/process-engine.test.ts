@@ -97,7 +97,7 @@ test('prepare freezes the template and starts its fork server before any fork, o
   assert.equal(childrenOf(z.pid), [], 'no fork server before the first fork');
   await engine.prepare(TEMPLATE);
   const server = childrenOf(z.pid);
-  assert.is(server.length, 1, 'the fork server');
+  assert.is(server.length, 1, `the fork server; the zygote said: ${engine.zygoteConsole(TEMPLATE).slice(-12).join(' | ')}`);
   await engine.prepare(TEMPLATE);
   assert.equal(childrenOf(z.pid), server, 'prepared once');
   // the host's kernel: the agent loads no modules there (the seccomp filter would refuse each, a line apiece)
