@@ -37,6 +37,7 @@
 #include "errno_error.h"
 #include "js_uint.h"
 #include "vmm/guest_ram.h"
+#include "vmm/park_watch.h"
 #include "vmm/snapshot/packed_pages.h"
 #include "vmm/snapshot/pattern.h"
 #include "vmm/virtio_rng.h"
@@ -95,6 +96,7 @@ class VirtioTestDevice : public Napi::ObjectWrap<VirtioTestDevice> {
                            InstanceMethod<&VirtioTestDevice::Stats>("stats"),
                            InstanceMethod<&VirtioTestDevice::Pause>("pause"),
                            InstanceMethod<&VirtioTestDevice::Resume>("resume"),
+                           InstanceMethod<&VirtioTestDevice::RequestPark>("requestPark"),
                            InstanceMethod<&VirtioTestDevice::SaveState>("saveState"),
                            InstanceMethod<&VirtioTestDevice::RestoreState>("restoreState"),
                            InstanceMethod<&VirtioTestDevice::Close>("close"),
@@ -149,7 +151,7 @@ class VirtioTestDevice : public Napi::ObjectWrap<VirtioTestDevice> {
         Napi::Value path = opts.Get("socketPath");
         if (!path.IsString()) throw Napi::TypeError::New(env, "socketPath must be a string");
         uint64_t cid = ToU64(env, opts.Get("guestCid"), "guestCid");
-        auto v = std::make_unique<VirtioVsock>(cid, path.As<Napi::String>().Utf8Value());
+        auto v = std::make_shared<VirtioVsock>(cid, path.As<Napi::String>().Utf8Value());  // (shared: it may park)
         vsock_ = v.get();
         dev_ = std::move(v);
       } else {
@@ -310,7 +312,14 @@ class VirtioTestDevice : public Napi::ObjectWrap<VirtioTestDevice> {
     o.Set("resetsSent", Napi::Number::New(env, static_cast<double>(s.resets_sent)));
     o.Set("droppedControl", Napi::Number::New(env, static_cast<double>(s.dropped_control)));
     o.Set("connections", Napi::Number::New(env, static_cast<double>(s.connections)));
+    o.Set("parked", Napi::Boolean::New(env, s.parked != 0));
+    o.Set("parks", Napi::Number::New(env, static_cast<double>(s.parks)));
+    o.Set("parkWatched", Napi::Number::New(env, static_cast<double>(vmm::park_watch::Watched())));
     return o;
+  }
+  Napi::Value RequestPark(const Napi::CallbackInfo& info) {
+    Vsock(info.Env())->RequestPark();
+    return info.Env().Undefined();
   }
   Napi::Value Pause(const Napi::CallbackInfo& info) {
     Vsock(info.Env())->Pause();
@@ -408,7 +417,7 @@ class VirtioTestDevice : public Napi::ObjectWrap<VirtioTestDevice> {
 
   std::shared_ptr<TestRam> ram_;
   GuestMemory mem_;
-  std::unique_ptr<VirtioDevice> dev_;
+  std::shared_ptr<VirtioDevice> dev_;
   VirtioVsock* vsock_ = nullptr;
   Napi::ThreadSafeFunction tsfn_;
   bool has_tsfn_ = false;

@@ -30,6 +30,11 @@ export interface VsockStats {
   resetsSent: number;
   droppedControl: number;
   connections: number;
+  /** the event loop's thread has ended until something happens (requestPark) */
+  parked: boolean;
+  parks: number;
+  /** epoll fds the process's park watch holds now, every device's */
+  parkWatched: number;
 }
 
 export interface VsockState {
@@ -68,6 +73,8 @@ export interface VirtioTestDevice {
   /** vsock snapshot support */
   pause(): void;
   resume(): void;
+  /** vsock: the loop parks at its next wake if it has nothing to do (virtio_vsock.h RequestPark) */
+  requestPark(): void;
   /** VsockState for vsock; for rng only active, driverFeatures and queues */
   saveState(): VsockState;
   restoreState(state: VsockState | Pick<VsockState, 'active' | 'driverFeatures' | 'queues'>): void;

@@ -3,7 +3,7 @@
 // Valid traffic (host- and guest-initiated connections, data both ways,
 // credit flow control, shutdown, refusal, transport reset), hostile packets
 // and descriptor chains, and a bounded, seeded fuzz.
-import { mkdtempSync, rmSync } from 'node:fs';
+import { mkdtempSync, readdirSync, readFileSync, rmSync } from 'node:fs';
 import { createConnection, createServer, type Server, type Socket } from 'node:net';
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
@@ -705,6 +705,107 @@ test('credit granted a byte at a time, no rx buffers: host data waits as one pac
     assert.is(bytes, 300);
     assert.ok(packets < 64, `${packets} packets for 300 bytes (one per rx buffer the guest had, then one)`);
     host.destroy();
+  }));
+
+/** Threads of this process named "vsock": the device loops'. */
+function vsockThreads(): number {
+  let n = 0;
+  for (const t of readdirSync('/proc/self/task')) {
+    try {
+      if (readFileSync(`/proc/self/task/${t}/comm`, 'utf8').trim() === 'vsock') n++;
+    } catch {} // (a thread that ended meanwhile)
+  }
+  return n;
+}
+
+/** A park and a thread's end have no event of their own: asks again every 5 ms, up to 5 s. */
+async function poll(cond: () => boolean, what: string): Promise<void> {
+  const deadline = Date.now() + 5000;
+  while (!cond()) {
+    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
+    await new Promise((r) => setTimeout(r, 5));
+  }
+}
+
+async function park(g: Guest): Promise<void> {
+  g.d.device.requestPark();
+  await poll(() => g.d.device.stats().parked, 'the loop to park');
+}
+
+test('park: the loop thread ends until the host connects or writes; both are served as usual', () =>
+  withGuest(async (g) => {
+    assert.ok(g.d.device.sync(5000)); // (the loop thread has its name once it has run)
+    const threads = vsockThreads();
+    const watched = g.d.device.stats().parkWatched;
+    await park(g);
+    await poll(() => vsockThreads() === threads - 1, 'the loop thread to end');
+    assert.is(g.d.device.stats().parks, 1);
+    assert.is(g.d.device.stats().parkWatched, watched + 1, 'the park watch holds its epoll fd');
+    const { host, hostPort } = await hostConnect(g, 1024);
+    assert.not.ok(g.d.device.stats().parked);
+    assert.ok(g.d.device.sync(5000));
+    assert.is(vsockThreads(), threads, 'a loop thread again');
+    assert.is(g.d.device.stats().parkWatched, watched);
+    host.write('after the park');
+    assert.is((await g.recv(isOp(OP.RW, hostPort), 'data after the park')).data.toString(), 'after the park');
+    // With a connection open and idle it parks again; bytes from the host start it.
+    await park(g);
+    host.write('wake up');
+    assert.is((await g.recv(isOp(OP.RW, hostPort), 'the bytes that woke it')).data.toString(), 'wake up');
+    assert.is(g.d.device.stats().parks, 2);
+    host.destroy();
+  }));
+
+test('park: a guest kick, a sync or a transport reset starts the loop again; pause, resume and reset of a parked loop', () =>
+  withGuest(async (g) => {
+    await park(g);
+    g.send({ op: OP.RW, srcPort: 4400, dstPort: 99 }, Buffer.from('x')); // (to no connection: answered with RST)
+    await g.recv(isOp(OP.RST), 'RST to a packet sent while parked');
+    assert.not.ok(g.d.device.stats().parked);
+    await park(g);
+    assert.ok(g.d.device.sync(5000), 'sync of a parked loop');
+    assert.not.ok(g.d.device.stats().parked, 'started for the sync');
+    await park(g);
+    g.d.device.transportReset();
+    await g.resetEvent();
+    // A hold (pause) of a parked loop keeps it stopped; resume starts it.
+    await park(g);
+    g.d.device.pause();
+    assert.not.ok(g.d.device.stats().parked, 'held, not parked');
+    g.send({ op: OP.RW, srcPort: 4401, dstPort: 99 }, Buffer.from('x'));
+    const txBefore = g.d.device.stats().txPackets;
+    assert.ok(g.d.device.sync(5000));
+    assert.is(g.d.device.stats().txPackets, txBefore, 'nothing processed while held');
+    g.d.device.resume();
+    await g.recv(isOp(OP.RST), 'RST after resume');
+    // The guest resets and activates the device while it is parked.
+    await park(g);
+    g.d.device.reset();
+    g.activate();
+    const { host, hostPort } = await hostConnect(g, 4402);
+    host.destroy();
+    await g.recv(isOp(OP.SHUTDOWN, hostPort), 'SHUTDOWN after the host closed');
+    g.send({ op: OP.RST, srcPort: 4402, dstPort: hostPort });
+    assert.ok(g.d.device.sync(5000));
+    assert.is(g.d.device.stats().connections, 0);
+    await park(g); // (and withGuest closes a parked device)
+  }));
+
+test('park: not while a connection waits for the guest to answer; a host close wakes it', () =>
+  withGuest(async (g) => {
+    const host = await connectHost(g.socketPath);
+    host.write('CONNECT 1600\n');
+    const req = await g.recv(isOp(OP.REQUEST), 'OP_REQUEST');
+    g.d.device.requestPark();
+    assert.ok(g.d.device.sync(5000), 'a pass after the loop saw the request');
+    assert.not.ok(g.d.device.stats().parked, 'a connect deadline is pending');
+    assert.is(g.d.device.stats().parks, 0);
+    g.send({ op: OP.RESPONSE, srcPort: 1600, dstPort: req.hdr.srcPort });
+    assert.is(await readLine(host), `OK ${req.hdr.srcPort}\n`);
+    await park(g);
+    host.destroy();
+    const sd = await g.recv(isOp(OP.SHUTDOWN, req.hdr.srcPort), 'SHUTDOWN after the host closed');
+    assert.is(sd.hdr.flags, SHUT_RCV | SHUT_SEND);
   }));
 
 test('snapshot: restoring from saved ring positions continues the rings and resets the transport', () =>

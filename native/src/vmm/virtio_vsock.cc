@@ -1,5 +1,7 @@
 #include "vmm/virtio_vsock.h"
 
+#include "vmm/park_watch.h"
+
 #include <pthread.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
@@ -216,6 +218,7 @@ void VirtioVsock::ClearRuntime() {
 }
 
 void VirtioVsock::StartLoop() {
+  if (thread_.joinable()) thread_.join();  // (a parked loop's thread, ended)
   stop_ = false;
   // A kick left pending by a stopped loop would swallow every later kick.
   kick_pending_ = false;
@@ -239,12 +242,19 @@ void VirtioVsock::WakeLoop() {
 }
 
 void VirtioVsock::StopLoop() {
-  if (!running_) return;
-  stop_ = true;
-  WakeLoop();
-  thread_.join();
-  running_ = false;
-  stop_ = false;
+  if (parked_) {
+    park_watch::Forget(park_token_, epoll_fd_);
+    park_token_ = 0;
+    if (thread_.joinable()) thread_.join();
+    parked_ = false;
+  } else {
+    if (!running_) return;
+    stop_ = true;
+    WakeLoop();
+    thread_.join();
+    running_ = false;
+    stop_ = false;
+  }
   std::lock_guard<std::mutex> l(sync_mu_);
   sync_done_ = sync_requested_;
   sync_cv_.notify_all();
@@ -301,7 +311,7 @@ void VirtioVsock::Pause() {
 void VirtioVsock::Resume() {
   std::lock_guard<std::mutex> l(control_mu_);
   paused_ = false;
-  if (active_ && !running_) StartLoop();
+  if (active_ && !running_ && !parked_) StartLoop();
 }
 
 VirtioVsock::State VirtioVsock::SaveState() const {
@@ -350,30 +360,79 @@ void VirtioVsock::Kick() {
   }
 }
 
+// (a parked loop's kick reaches the park watch through epoll_fd_, which starts the loop)
 void VirtioVsock::QueueNotify(uint16_t queue) {
-  if (queue < 3 && running_) Kick();
+  if (queue < 3 && (running_ || parked_)) Kick();
 }
 
 void VirtioVsock::TransportReset() {
   transport_reset_pending_ = true;
-  if (running_) Kick();
+  if (running_ || parked_) Kick();
 }
 
 bool VirtioVsock::Sync(int timeout_ms) {
   std::unique_lock<std::mutex> l(sync_mu_);
-  if (!running_) return true;
+  if (!running_ && !parked_) return true;
   const uint64_t target = ++sync_requested_;
   l.unlock();
   // Not coalesced with kicks: the pass must start after sync_requested_ grew.
   WakeLoop();
   l.lock();
   return sync_cv_.wait_for(l, std::chrono::milliseconds(timeout_ms),
-                           [&] { return sync_done_ >= target || !running_; });
+                           [&] { return sync_done_ >= target || (!running_ && !parked_); });
 }
 
 VirtioVsock::Stats VirtioVsock::stats() const {
   return Stats{counters_.tx_packets.load(),  counters_.rx_packets.load(),      counters_.bad_packets.load(),
-               counters_.resets_sent.load(), counters_.dropped_control.load(), counters_.connections.load()};
+               counters_.resets_sent.load(), counters_.dropped_control.load(), counters_.connections.load(),
+               parked_ ? 1u : 0u,           counters_.parks.load()};
+}
+
+// ---- parking ----------------------------------------------------------------
+
+void VirtioVsock::RequestPark() {
+  park_requested_ = true;
+  if (running_) WakeLoop();
+}
+
+VirtioVsock::ParkResult VirtioVsock::TryPark() {
+  if (failed() || transport_reset_pending_ || !rx_pending_.empty()) return ParkResult::kNotIdle;
+  for (const auto& [id, c] : conns_)
+    if (c->has_deadline || c->hup) return ParkResult::kNotIdle;  // (only a pass sees these)
+  // A control call under way (Pause, Reset, SaveState, ...) decides about the loop itself.
+  std::unique_lock<std::mutex> l(control_mu_, std::try_to_lock);
+  if (!l.owns_lock()) return ParkResult::kBusy;
+  if (stop_ || paused_ || !active_) return ParkResult::kNotIdle;
+  {
+    std::lock_guard<std::mutex> s(sync_mu_);
+    if (sync_requested_ > sync_done_) return ParkResult::kNotIdle;
+  }
+  std::weak_ptr<VirtioVsock> self = weak_from_this();
+  if (self.expired()) return ParkResult::kNotIdle;  // (not owned by a shared_ptr: the watch could outlive it)
+  parked_ = true;  // (before running_ goes false: Kick and Sync see one of the two)
+  kick_pending_ = false;  // (a kick from now on is written to kick_fd_, which the watch sees)
+  const uint64_t token = park_watch::Watch(epoll_fd_, [self](uint64_t t) {
+    if (auto dev = self.lock()) dev->Unpark(t);
+  });
+  if (token == 0) {
+    parked_ = false;
+    return ParkResult::kNotIdle;  // (it keeps its thread)
+  }
+  park_token_ = token;
+  running_ = false;
+  counters_.parks++;
+  return ParkResult::kParked;
+}
+
+void VirtioVsock::Unpark(uint64_t token) {
+  std::lock_guard<std::mutex> l(control_mu_);
+  if (!parked_ || token != park_token_) return;  // (stopped or started since: an old token)
+  park_token_ = 0;
+  if (active_ && !paused_) StartLoop();  // (joins the parked thread first)
+  if (thread_.joinable() && !running_) thread_.join();
+  parked_ = false;
+  std::lock_guard<std::mutex> s(sync_mu_);
+  sync_cv_.notify_all();  // (a Sync waiting on a loop that could not start)
 }
 
 void VirtioVsock::FailDevice(const std::string& message) {
@@ -389,12 +448,31 @@ void VirtioVsock::FailDevice(const std::string& message) {
 void VirtioVsock::Loop() {
   pthread_setname_np(pthread_self(), "vsock");
   epoll_event events[64];
+  bool park_again = false;
   while (!stop_) {
-    int n = epoll_wait(epoll_fd_, events, 64, NextTimeoutMs());
+    int n = epoll_wait(epoll_fd_, events, 64, park_again ? 1 : NextTimeoutMs());
     if (n < 0) {
       if (errno == EINTR) continue;
       FailDevice(std::string("vsock: epoll_wait failed: ") + std::strerror(errno));
       break;
+    }
+    // A park asked for (RequestPark), and only kicks woke the loop: park before a pass, which would
+    // unpack a packed VM (BeforePass) for nothing.
+    if ((park_requested_.exchange(false) || park_again) && !stop_) {
+      park_again = false;
+      bool only_kicks = true;
+      for (int i = 0; i < n; i++) only_kicks = only_kicks && events[i].data.u64 == kKickToken;
+      if (only_kicks) {
+        uint64_t v;
+        ssize_t ignored = read(kick_fd_, &v, sizeof v);
+        (void)ignored;
+        const ParkResult p = TryPark();
+        if (p == ParkResult::kParked) return;  // (the thread ends; the park watch starts another)
+        if (p == ParkResult::kBusy) {
+          park_again = true;  // (again in 1 ms, after the control call)
+          continue;
+        }
+      }
     }
     // An exception here (out of memory while queueing for a guest) would end Node
     // (std::terminate on this thread): it fails this device instead.

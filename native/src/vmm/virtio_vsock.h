@@ -16,7 +16,9 @@
 // Threading: one event-loop thread per device (started by Activate, stopped
 // by Reset and the destructor) owns the queues and all connections; vCPU
 // threads only kick it through an eventfd. notify_guest and the failure
-// callback are called on that thread and must not call Reset.
+// callback are called on that thread and must not call Reset. While its VM is
+// shelved the loop may park: its thread ends and the process's park watch
+// (park_watch.h) starts it again when anything happens (a kick included).
 //
 // Guest packets are checked: a malformed descriptor chain fails the device;
 // a malformed packet (short header, length beyond the buffer or 64 KiB,
@@ -70,7 +72,7 @@ inline constexpr uint32_t kVsockShutdownRcv = 1;
 inline constexpr uint32_t kVsockShutdownSend = 2;
 inline constexpr uint32_t kVsockEventTransportReset = 0;
 
-class VirtioVsock : public VirtioDevice {
+class VirtioVsock : public VirtioDevice, public std::enable_shared_from_this<VirtioVsock> {
  public:
   static constexpr uint16_t kQueueSize = 256;
   static constexpr uint16_t kRxQueue = 0, kTxQueue = 1, kEventQueue = 2;
@@ -103,6 +105,8 @@ class VirtioVsock : public VirtioDevice {
     uint64_t resets_sent;      // RST packets sent to the guest
     uint64_t dropped_control;  // control packets dropped because the guest posted no rx buffers
     uint64_t connections;      // open connections now
+    uint64_t parked;           // 1 while the loop is parked (RequestPark), else 0
+    uint64_t parks;            // times it parked
   };
 
   // The part of the device state that a snapshot keeps. Connections are not
@@ -169,6 +173,15 @@ class VirtioVsock : public VirtioDevice {
   // (it reads and writes guest RAM only in a pass). Not with Pause or Reset
   // in the same thread: those wait for the loop.
   std::unique_lock<std::mutex> HoldLoop() { return std::unique_lock<std::mutex>(pass_mu_); }
+  // Asks the event loop to park at its next wake if it has nothing to do:
+  // its thread ends and the park watch holds its epoll fd, which reads ready
+  // at a host connection, bytes, a close or a kick; the watch then starts
+  // the loop again, which handles what woke it as usual. For a VM that is
+  // shelved (vm.h Shelve): no guest runs to kick it, so it may be a while.
+  // Not while it has deadlines, host hang-ups or packets waiting for the
+  // guest, or a Sync or transport reset to do; only for a device owned by a
+  // std::shared_ptr (the watch holds a weak one). Any thread.
+  void RequestPark();
   State SaveState() const;
   void RestoreState(const GuestMemory& mem, const State& state, NotifyGuest notify_guest);
 
@@ -182,6 +195,9 @@ class VirtioVsock : public VirtioDevice {
   };
 
   void ClearRuntime();
+  enum class ParkResult { kParked, kBusy, kNotIdle };
+  ParkResult TryPark();        // on the loop thread
+  void Unpark(uint64_t token);  // on the park watch's thread
   void StartLoop();
   void WakeLoop();  // one write to kick_fd_: the loop's epoll_wait returns
   void StopLoop();
@@ -230,6 +246,11 @@ class VirtioVsock : public VirtioDevice {
   std::atomic<bool> stop_{false};
   std::atomic<bool> kick_pending_{false};
   std::atomic<bool> transport_reset_pending_{false};
+  // Parked (RequestPark): its thread has ended (joined by the next StartLoop or StopLoop) and
+  // the park watch holds epoll_fd_ under park_token_. Changed under control_mu_.
+  std::atomic<bool> parked_{false};
+  std::atomic<bool> park_requested_{false};
+  uint64_t park_token_ = 0;
 
   // Sync(): requests and completions counted under sync_mu_.
   std::mutex sync_mu_;
@@ -259,7 +280,7 @@ class VirtioVsock : public VirtioDevice {
 
   struct Counters {
     std::atomic<uint64_t> tx_packets{0}, rx_packets{0}, bad_packets{0}, resets_sent{0}, dropped_control{0},
-        connections{0};
+        connections{0}, parks{0};
   } counters_;
 };
 

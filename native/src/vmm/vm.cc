@@ -776,6 +776,9 @@ snapshot::PackResult Vm::Pack(bool shelve) {
     packs_++;
     if (r.kept_pages == 0) r.ram_tables_dropped = DropRamTables();
     if (r.ram_tables_dropped && shelve) r.shelved = Shelve();
+    // Its vsock loop's thread may end too until the host or the guest wants something (after this
+    // hold: the loop parks at its next wake, between two passes).
+    if (r.shelved && vsock_) vsock_->RequestPark();
   }
   return r;
 }
@@ -1018,6 +1021,8 @@ Vm::Stats Vm::GetStats() {
     s.counters.emplace_back("vsock_rx_packets", v.rx_packets);
     s.counters.emplace_back("vsock_bad_packets", v.bad_packets);
     s.counters.emplace_back("vsock_connections", v.connections);
+    s.counters.emplace_back("vsock_parked", v.parked);
+    s.counters.emplace_back("vsock_parks", v.parks);
   }
   if (const snapshot::PatternBacking* pb = pattern()) {
     s.counters.emplace_back("pattern_maps", pb->maps());
