@@ -330,16 +330,28 @@ labTest('pack: a dozing child keeps its private pages as the bytes that differ, 
           return false; // (closed meanwhile)
         }
       }).length;
+    // And no thread of ours runs for it: its vCPU thread ends, and its vsock loop's parks.
+    const threads = (name: RegExp) =>
+      readdirSync('/proc/self/task').filter((t) => {
+        try {
+          return name.test(readFileSync(`/proc/self/task/${t}/comm`, 'utf8').trim());
+        } catch {
+          return false; // (ended meanwhile)
+        }
+      }).length;
     const awake = await counters();
-    const [pte0, sec0, vms0, vcpus0] = [vmPte(), meminfo('SecPageTables'), kvmFiles('vm'), kvmFiles('vcpu')];
+    const [pte0, sec0, vms0, vcpus0, loops0, vcpuThreads0] = [vmPte(), meminfo('SecPageTables'), kvmFiles('vm'), kvmFiles('vcpu'), threads(/^vsock$/), threads(/^vcpu/)];
     await until(async () => (await counters()).packs! >= 5, deadline, () => `no second pack by the engine: ${k.notQuiet ?? 'quiet'}`);
-    const [pte1, sec1, vms1, vcpus1] = [vmPte(), meminfo('SecPageTables'), kvmFiles('vm'), kvmFiles('vcpu')];
+    await until(async () => (await counters()).vsock_parked === 1, deadline, () => `the shelved child's vsock loop did not park: ${JSON.stringify(k.lastPack)}`);
+    const [pte1, sec1, vms1, vcpus1, loops1, vcpuThreads1] = [vmPte(), meminfo('SecPageTables'), kvmFiles('vm'), kvmFiles('vcpu'), threads(/^vsock$/), threads(/^vcpu/)];
     const deep = await counters();
     assert.ok(k.lastPack?.ramTablesDropped && k.lastPack.shelved, JSON.stringify(k.lastPack));
     const said = (c: Record<string, number | undefined>) => JSON.stringify({ packs: c.packs, unpacks: c.unpacks, shelved: c.shelved, shelves: c.shelves, dozing: c.dozing, dozes: c.dozes, vsock_rx: c.vsock_rx_packets, vsock_tx: c.vsock_tx_packets, irqs: c.virtio_interrupts });
     assert.is(deep.shelved, 1, said(deep));
     assert.is(vms0 - vms1, 1, `KVM VM files ${vms0} -> ${vms1}`);
     assert.is(vcpus0 - vcpus1, 1, `KVM vCPU files ${vcpus0} -> ${vcpus1}`);
+    assert.is(loops0 - loops1, 1, `vsock loop threads ${loops0} -> ${loops1}`);
+    assert.is(vcpuThreads0 - vcpuThreads1, 1, `vCPU threads ${vcpuThreads0} -> ${vcpuThreads1}`);
     assert.is(deep.host_kvm_run_bytes, 0);
     assert.is(deep.host_vcpu_stack_bytes, 0);
     assert.is(deep.hostPageTableKiB, 0);
@@ -352,6 +364,8 @@ labTest('pack: a dozing child keeps its private pages as the bytes that differ, 
     assert.ok(Math.abs(t) < 1, `the unshelved child's clock is ${t} s off`);
     const back = await counters();
     assert.is(back.shelved, 0);
+    assert.is(back.vsock_parked, 0, 'its vsock loop runs again');
+    assert.ok(back.vsock_parks! >= 1);
     assert.is(kvmFiles('vm'), vms0, 'KVM VM files after the wake');
     await until(async () => (await counters()).packs! >= 6, deadline, () => `no third pack by the engine: ${k.notQuiet ?? 'quiet'}`);
     // A branch of a packed child (its pause writes them back) continues from its state.
@@ -363,7 +377,7 @@ labTest('pack: a dozing child keeps its private pages as the bytes that differ, 
     assert.ok(c!.lastPack?.ramTablesDropped, JSON.stringify(c!.lastPack));
     assert.is((await c!.agent.eval('hashlib.sha256(BLOB).hexdigest() == MINE')).value, true);
     console.log(`    pack: ${p.privatePages} private pages, ${p.packedPages} packed into ${first.packed_bytes! / 1024} KiB, ${p.keptPages} kept; written back in ${woke.last_unpack_us} µs`);
-    console.log(`    shelved: KVM VM files ${vms0} -> ${vms1}, vCPU files ${vcpus0} -> ${vcpus1}; made again in ${back.last_unshelve_us} µs (lab: emulated)`);
+    console.log(`    shelved: KVM VM files ${vms0} -> ${vms1}, vCPU files ${vcpus0} -> ${vcpus1}, vsock loop threads ${loops0} -> ${loops1}, vCPU threads ${vcpuThreads0} -> ${vcpuThreads1}; made again in ${back.last_unshelve_us} µs (lab: emulated)`);
     console.log(`    page tables freed with nothing left private: this process's VmPTE ${pte0} -> ${pte1} KiB (the child's counted ${awake.hostPageTableKiB} KiB), SecPageTables ${sec0} -> ${sec1} KiB (its nested tables counted ${awake.hostNptKiB} KiB)`);
   } finally {
     await e.close();
