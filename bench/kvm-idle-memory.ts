@@ -11,6 +11,8 @@
 //
 //   FORKLING_LAB_COMMAND='node --expose-gc --import tsx bench/kvm-idle-memory.ts' npx tsx test/lab/run.ts
 //
+// The VMM's C++ heap per child is read from malloc's own count (mallinfo2).
+//
 // Options: --n children (default 10), --image, --warmup, --no-shelve (pack
 // without closing the KVM VM), --no-pack (doze without packing), --no-doze
 // (none of them).
@@ -20,6 +22,7 @@ import { KvmEngine } from '../host/engine/kvm/engine.ts';
 import { templateDir } from '../host/engine/kvm/template.ts';
 import type { KvmSandbox } from '../host/engine/kvm/vm.ts';
 import { labRetry } from '../test/kvm/lab-flake.ts';
+import { vmm } from '../test/native/vmm-internals.ts';
 import { enterMemoryCgroup } from './memory-cgroup.ts';
 
 const { values } = parseArgs({
@@ -84,6 +87,8 @@ function kernelParts(): Map<string, number> {
 const threads = () => readdirSync('/proc/self/task').length;
 /** V8's heap in use, KiB (after a collection with --expose-gc: settle()). */
 const heapKiB = () => process.memoryUsage().heapUsed / 1024;
+/** malloc's bytes in use, KiB: the VMM's C++ objects (a VM, its devices, a shelved VM's KVM state, buffers). */
+const mallocKiB = () => vmm.mallocInUse() / 1024;
 
 const cg = enterMemoryCgroup('forkling-idle-memory');
 const engine = new KvmEngine({ reclaimIdleMs: IDLE_MS, doze: dozeOn, pack: packOn, shelve: shelveOn });
@@ -99,13 +104,13 @@ try {
   await until('the first child idle', () => idleDone(first!, 0), 300_000);
 
   await settle();
-  const before = { current: cg.currentKiB(), stat: cg.stat(), parts: kernelParts(), threads: threads(), heap: heapKiB() };
+  const before = { current: cg.currentKiB(), stat: cg.stat(), parts: kernelParts(), threads: threads(), heap: heapKiB(), malloc: mallocKiB() };
   const kids = await labRetry('fork', () => engine.fork(name, N));
   for (const k of kids) if ((await k.agent.eval('1 + 1')).value !== 2) throw new Error(`child ${k.id}: wrong answer`);
   const passes = new Map(kids.map((k) => [k, k.reclaimed.passes]));
   await until(`${N} children idle`, () => kids.every((k) => idleDone(k, passes.get(k)!)), 600_000);
   await settle();
-  const idle = { current: cg.currentKiB(), stat: cg.stat(), parts: kernelParts(), threads: threads(), heap: heapKiB() };
+  const idle = { current: cg.currentKiB(), stat: cg.stat(), parts: kernelParts(), threads: threads(), heap: heapKiB(), malloc: mallocKiB() };
   const stats = await Promise.all(kids.map((k) => k.stats()));
   const counted = stats.reduce((a, s) => a + s.privateKiB, 0) / N;
   const dozing = kids.filter((k) => k.nativeVm().stats().counters.dozing === 1).length;
@@ -131,10 +136,12 @@ try {
   const kernelIdle = per(before.stat.kernel ?? 0, idle.stat.kernel ?? 0);
   const kernelFreed = per(killed.stat.kernel ?? 0, idle.stat.kernel ?? 0);
   const heap = per(before.heap, idle.heap);
+  const malloc = per(before.malloc, idle.malloc);
   console.log(`  the engine's figure (stats().privateKiB, mean: guest pages private and packed, vCPU stacks, kvm_run, page tables for its RAM): ${counted.toFixed(1)} KiB`);
   console.log(`  the kernel's memory for it (memory.stat kernel: KVM's VM and vCPU structures, thread stacks and structures, mappings): ${kernelIdle.toFixed(1)} KiB while alive, ${kernelFreed.toFixed(1)} KiB given back when killed`);
   console.log(`  this process's V8 heap per child (its JS objects, after a collection): ${heap.toFixed(1)} KiB`);
-  console.log(`  the child in all: ${(counted + Math.max(kernelIdle, kernelFreed) + Math.max(heap, 0)).toFixed(1)} KiB (the three above, the kernel's larger figure)`);
+  console.log(`  this process's malloc heap per child (the VMM's C++ objects: the VM, its devices and buffers, a shelved VM's KVM state; in use, not what the arenas hold): ${malloc.toFixed(1)} KiB`);
+  console.log(`  the child in all: ${(counted + Math.max(kernelIdle, kernelFreed) + Math.max(heap, 0) + Math.max(malloc, 0)).toFixed(1)} KiB (the four above, the kernel's larger figure)`);
   console.log(`  (cross-check, with this process's own heap noise: memory.current grew ${(allIdle - fileIdle).toFixed(1)} KiB per child while forked, file pages left out, and ${per(killed.current, idle.current).toFixed(1)} KiB came back when killed)`);
   console.log(`  (where: ${process.env.FORKLING_IN_LAB ? 'the QEMU lab: page counts hold, times mean nothing' : 'this host'}; this process's heap ${(globalThis as { gc?: unknown }).gc ? 'collected before each read' : 'not collected: run node with --expose-gc'})`);
   const grown = [...idle.parts].map(([k, v]) => [k, per(before.parts.get(k) ?? 0, v)] as const).filter(([, v]) => v >= 2).sort((a, b) => b[1] - a[1]);

@@ -26,6 +26,8 @@ export interface VmmInternals {
   loadLinux(memory: Buffer, kernel: Buffer, cmdline: string, initrdSize: number, vcpus: number): { entry: number; kernelEnd: number; initrdAddr: number };
   e820(ramBytes: number): { addr: number; size: number; type: number }[];
   writeMpTable(memory: Buffer, addr: number, vcpus: number): number;
+  /** malloc's bytes in use, all arenas (mallinfo2: uordblks + hblkhd) */
+  mallocInUse(): number;
   Uart: new () => { read(off: number): number; write(off: number, v: number): void; input(b: Buffer): void; readonly irqs: number; takeOutput(): string };
   I8042: new () => { read(port: number): number; write(port: number, v: number): void; readonly resets: number };
   PciModel: new (

@@ -4,6 +4,7 @@
 
 #include <pthread.h>
 #include <sys/epoll.h>
+#include <sys/mman.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -15,6 +16,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <new>
 #include <stdexcept>
 #include <system_error>
 
@@ -191,6 +193,7 @@ VirtioVsock::VirtioVsock(uint64_t guest_cid, std::string uds_path)
 
 VirtioVsock::~VirtioVsock() {
   Reset();
+  FreeReadBuffer();
   close(listen_fd_);
   close(epoll_fd_);
   close(kick_fd_);
@@ -390,6 +393,11 @@ VirtioVsock::Stats VirtioVsock::stats() const {
 
 // ---- parking ----------------------------------------------------------------
 
+void VirtioVsock::FreeReadBuffer() {
+  if (read_buf_) munmap(read_buf_, kMaxPacketPayload);
+  read_buf_ = nullptr;
+}
+
 void VirtioVsock::RequestPark() {
   park_requested_ = true;
   if (running_) WakeLoop();
@@ -421,6 +429,11 @@ VirtioVsock::ParkResult VirtioVsock::TryPark() {
   park_token_ = token;
   running_ = false;
   counters_.parks++;
+  // What a parked loop needs no more goes back to the system (not to an arena of malloc's,
+  // where its pages would stay ours): the read buffer, and what idle connections kept of theirs.
+  FreeReadBuffer();
+  for (auto& [id, c] : conns_)
+    if (c->pending_to_host() == 0) std::string().swap(c->to_host);
   return ParkResult::kParked;
 }
 
@@ -914,8 +927,12 @@ void VirtioVsock::ReadFromHost(Conn* c) {
       }
       return;
     }
-    if (read_buf_.size() < kMaxPacketPayload) read_buf_.resize(kMaxPacketPayload);
-    ssize_t n = recv(c->fd, read_buf_.data(), want, MSG_DONTWAIT);
+    if (!read_buf_) {
+      void* p = mmap(nullptr, kMaxPacketPayload, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (p == MAP_FAILED) throw std::bad_alloc();  // (the loop fails this device)
+      read_buf_ = static_cast<char*>(p);
+    }
+    ssize_t n = recv(c->fd, read_buf_, want, MSG_DONTWAIT);
     if (n < 0) {
       if (errno == EINTR) continue;
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
@@ -944,12 +961,12 @@ void VirtioVsock::ReadFromHost(Conn* c) {
     if (last && last->data.size() - last->off + static_cast<size_t>(n) <= kMaxPacketPayload) {
       last->data.erase(0, last->off);  // (what was delivered goes: the packet stays bounded)
       last->off = 0;
-      last->data.append(read_buf_.data(), static_cast<size_t>(n));
+      last->data.append(read_buf_, static_cast<size_t>(n));
     } else {
       Packet p;
       p.hdr = VsockHeader{kVsockHostCid, guest_cid_, c->host_port, c->guest_port, 0, kVsockTypeStream, kVsockOpRw, 0,
                           kBufAlloc, 0};
-      p.data.assign(read_buf_.data(), static_cast<size_t>(n));
+      p.data.assign(read_buf_, static_cast<size_t>(n));
       p.conn_id = id;
       rx_pending_.push_back(std::move(p));
     }

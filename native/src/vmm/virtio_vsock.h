@@ -198,6 +198,7 @@ class VirtioVsock : public VirtioDevice, public std::enable_shared_from_this<Vir
   enum class ParkResult { kParked, kBusy, kNotIdle };
   ParkResult TryPark();        // on the loop thread
   void Unpark(uint64_t token);  // on the park watch's thread
+  void FreeReadBuffer();
   void StartLoop();
   void WakeLoop();  // one write to kick_fd_: the loop's epoll_wait returns
   void StopLoop();
@@ -276,7 +277,9 @@ class VirtioVsock : public VirtioDevice, public std::enable_shared_from_this<Vir
   size_t rx_pending_control_ = 0;
   size_t rx_pending_bytes_ = 0;
   DescriptorChain chain_;
-  std::string read_buf_;  // host reads land here first
+  // Host reads land here first: kMaxPacketPayload bytes mapped at the first read and unmapped
+  // when the loop parks (FreeReadBuffer).
+  char* read_buf_ = nullptr;
 
   struct Counters {
     std::atomic<uint64_t> tx_packets{0}, rx_packets{0}, bad_packets{0}, resets_sent{0}, dropped_control{0},
