@@ -36,6 +36,7 @@ import { snapshotNative } from '../host/engine/kvm/snapshot-native.ts';
 import { templateDir } from '../host/engine/kvm/template.ts';
 import type { KvmSandbox } from '../host/engine/kvm/vm.ts';
 import { labRetry } from '../test/kvm/lab-flake.ts';
+import { until } from './until.ts';
 
 const { values } = parseArgs({
   options: {
@@ -164,15 +165,6 @@ function changedSymbols(vm: ReturnType<KvmSandbox['nativeVm']>, layout: KernelLa
 
 function frames(sb: KvmSandbox): number[] {
   return [...(sb.nativeVm().memoryUsage({ frames: true }).privateFrames ?? [])];
-}
-
-/** Polls `ok` (the engine's own state) every 100 ms, up to `ms`. */
-async function until(what: string, ok: () => boolean, ms: number): Promise<void> {
-  const deadline = Date.now() + ms;
-  while (!ok()) {
-    if (Date.now() > deadline) throw new Error(`${what}: not within ${ms / 1000} s`);
-    await new Promise((r) => setTimeout(r, 100));
-  }
 }
 
 interface WhyPrivate {

@@ -24,6 +24,7 @@ import type { KvmSandbox } from '../host/engine/kvm/vm.ts';
 import { labRetry } from '../test/kvm/lab-flake.ts';
 import { vmm } from '../test/native/vmm-internals.ts';
 import { enterMemoryCgroup } from './memory-cgroup.ts';
+import { until } from './until.ts';
 
 const { values } = parseArgs({
   options: {
@@ -41,15 +42,6 @@ const dozeOn = !values['no-doze'];
 const packOn = dozeOn && !values['no-pack'];
 const shelveOn = packOn && !values['no-shelve'];
 const IDLE_MS = 1000;
-
-/** Polls `ok` (the engine's own state) every 100 ms, up to `ms`. */
-async function until(what: string, ok: () => boolean, ms: number): Promise<void> {
-  const deadline = Date.now() + ms;
-  while (!ok()) {
-    if (Date.now() > deadline) throw new Error(`${what}: not within ${ms / 1000} s`);
-    await new Promise((r) => setTimeout(r, 100));
-  }
-}
 
 /** Settled: V8's garbage collected (with --expose-gc) and the kernel's deferred frees run. */
 async function settle(): Promise<void> {
