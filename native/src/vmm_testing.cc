@@ -314,6 +314,7 @@ class VirtioTestDevice : public Napi::ObjectWrap<VirtioTestDevice> {
     o.Set("connections", Napi::Number::New(env, static_cast<double>(s.connections)));
     o.Set("parked", Napi::Boolean::New(env, s.parked != 0));
     o.Set("parks", Napi::Number::New(env, static_cast<double>(s.parks)));
+    o.Set("parkRefusals", Napi::Number::New(env, static_cast<double>(s.park_refusals)));
     o.Set("parkWatched", Napi::Number::New(env, static_cast<double>(vmm::park_watch::Watched())));
     return o;
   }

@@ -33,6 +33,8 @@ export interface VsockStats {
   /** the event loop's thread has ended until something happens (requestPark) */
   parked: boolean;
   parks: number;
+  /** parks asked for and refused (work waiting), with no pass made for them */
+  parkRefusals: number;
   /** epoll fds the process's park watch holds now, every device's */
   parkWatched: number;
 }

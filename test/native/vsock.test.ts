@@ -729,7 +729,9 @@ async function poll(cond: () => boolean, what: string): Promise<void> {
 
 async function park(g: Guest): Promise<void> {
   g.d.device.requestPark();
-  await poll(() => g.d.device.stats().parked, 'the loop to park');
+  await poll(() => g.d.device.stats().parked, 'the loop to park').catch((e) => {
+    throw new Error(`${e.message}: ${JSON.stringify(g.d.device.stats())}`);
+  });
 }
 
 test('park: the loop thread ends until the host connects or writes; both are served as usual', () =>
@@ -791,15 +793,24 @@ test('park: a guest kick, a sync or a transport reset starts the loop again; pau
     await park(g); // (and withGuest closes a parked device)
   }));
 
-test('park: not while a connection waits for the guest to answer; a host close wakes it', () =>
+test('park: not while a connection waits for the guest to answer, and no pass for the refusal; a host close wakes it', () =>
   withGuest(async (g) => {
     const host = await connectHost(g.socketPath);
     host.write('CONNECT 1600\n');
     const req = await g.recv(isOp(OP.REQUEST), 'OP_REQUEST');
+    assert.ok(g.d.device.sync(5000)); // (the kicks so far handled)
+    // A packet in the tx ring without a kick: a pass would take it.
+    g.tx.addChain([{ addr: g.d.buffer(HDR, encodeHdr({ srcCid: CID, dstCid: HOST_CID, srcPort: 4500, dstPort: 98, len: 0, type: 1, op: OP.RW, flags: 0, bufAlloc: 65536, fwdCnt: 0 })), len: HDR, write: false }]);
+    const txBefore = g.d.device.stats().txPackets;
     g.d.device.requestPark();
-    assert.ok(g.d.device.sync(5000), 'a pass after the loop saw the request');
+    await poll(() => g.d.device.stats().parkRefusals === 1, 'the park to be refused');
     assert.not.ok(g.d.device.stats().parked, 'a connect deadline is pending');
     assert.is(g.d.device.stats().parks, 0);
+    // Refused, the loop made no pass for it (for a packed VM, a pass writes its pages back).
+    assert.is(g.d.device.stats().txPackets, txBefore, 'no pass for a refused park');
+    assert.ok(g.d.device.sync(5000));
+    assert.is(g.d.device.stats().txPackets, txBefore + 1, 'the next pass took the packet');
+    await g.recv(isOp(OP.RST), 'RST to the packet to no connection');
     g.send({ op: OP.RESPONSE, srcPort: 1600, dstPort: req.hdr.srcPort });
     assert.is(await readLine(host), `OK ${req.hdr.srcPort}\n`);
     await park(g);

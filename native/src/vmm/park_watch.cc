@@ -44,7 +44,10 @@ struct Watcher {
           wake = std::move(it->second.wake);
           entries.erase(it);
         }
-        wake(token);
+        try {
+          wake(token);
+        } catch (...) {  // (out of memory in a device's restart: that device's own failure)
+        }
       }
     }
   }
@@ -81,11 +84,16 @@ uint64_t Watch(int fd, std::function<void(uint64_t token)> wake) {
   if (!w) return 0;
   std::lock_guard<std::mutex> l(w->mu);
   const uint64_t token = w->next_token++;
+  auto it = w->entries.emplace(token, Entry{fd, std::move(wake)}).first;  // (first: it may throw)
   epoll_event ev{};
   ev.events = EPOLLIN | EPOLLONESHOT;
   ev.data.u64 = token;
-  if (epoll_ctl(w->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) return 0;
-  w->entries.emplace(token, Entry{fd, std::move(wake)});
+  if (epoll_ctl(w->epfd, EPOLL_CTL_ADD, fd, &ev) < 0) {
+    const int e = errno;
+    w->entries.erase(it);
+    errno = e;
+    return 0;
+  }
   return token;
 }
 

@@ -15,7 +15,8 @@ namespace forkling::vmm::park_watch {
 // Watches `fd` until it reads ready, then calls `wake(token)` once, on the
 // watch's thread, with no lock of the watch's held (wake may call Forget).
 // Returns the token (never 0), or 0 when the fd could not be watched (errno
-// set); the caller then keeps its own thread. Any thread.
+// set); the caller then keeps its own thread. Throws std::bad_alloc only.
+// Any thread.
 uint64_t Watch(int fd, std::function<void(uint64_t token)> wake);
 
 // Stops watching (if still watched): `wake` is not called for this token

@@ -19,6 +19,7 @@
 #include <new>
 #include <stdexcept>
 #include <system_error>
+#include <thread>
 
 namespace forkling::vmm {
 namespace {
@@ -220,22 +221,25 @@ void VirtioVsock::ClearRuntime() {
   rx_pending_bytes_ = 0;
 }
 
-void VirtioVsock::StartLoop() {
+bool VirtioVsock::StartLoop(bool fail_device) {
   if (thread_.joinable()) thread_.join();  // (a parked loop's thread, ended)
   stop_ = false;
   // A kick left pending by a stopped loop would swallow every later kick.
   kick_pending_ = false;
+  // A new loop makes its first pass whatever a park asked before it stopped.
+  park_requested_ = false;
   running_ = true;  // before the thread: a guest kick from now on reaches it
   try {
     thread_ = VmmThread([this] { Loop(); });
   } catch (const std::system_error& e) {
     running_ = false;
-    FailDevice(std::string("cannot start the vsock device's thread: ") + e.what());
-    return;
+    if (fail_device) FailDevice(std::string("cannot start the vsock device's thread: ") + e.what());
+    return false;
   }
   // A first pass whatever happened while the loop was stopped (a kick the last loop
   // read together with its stop kick, work queued during a hold).
   WakeLoop();
+  return true;
 }
 
 void VirtioVsock::WakeLoop() {
@@ -245,6 +249,7 @@ void VirtioVsock::WakeLoop() {
 }
 
 void VirtioVsock::StopLoop() {
+  park_requested_ = false;
   if (parked_) {
     park_watch::Forget(park_token_, epoll_fd_);
     park_token_ = 0;
@@ -388,7 +393,7 @@ bool VirtioVsock::Sync(int timeout_ms) {
 VirtioVsock::Stats VirtioVsock::stats() const {
   return Stats{counters_.tx_packets.load(),  counters_.rx_packets.load(),      counters_.bad_packets.load(),
                counters_.resets_sent.load(), counters_.dropped_control.load(), counters_.connections.load(),
-               parked_ ? 1u : 0u,           counters_.parks.load()};
+               parked_ ? 1u : 0u,           counters_.parks.load(),       counters_.park_refusals.load()};
 }
 
 // ---- parking ----------------------------------------------------------------
@@ -403,10 +408,23 @@ void VirtioVsock::RequestPark() {
   if (running_) WakeLoop();
 }
 
+uint64_t VirtioVsock::WatchWhileParked() {
+  std::weak_ptr<VirtioVsock> self = weak_from_this();
+  if (self.expired()) return 0;  // (not owned by a shared_ptr: the watch could outlive it)
+  return park_watch::Watch(epoll_fd_, [self](uint64_t t) {
+    if (auto dev = self.lock()) dev->Unpark(t);
+  });
+}
+
 VirtioVsock::ParkResult VirtioVsock::TryPark() {
-  if (failed() || transport_reset_pending_ || !rx_pending_.empty()) return ParkResult::kNotIdle;
-  for (const auto& [id, c] : conns_)
-    if (c->has_deadline || c->hup) return ParkResult::kNotIdle;  // (only a pass sees these)
+  if (failed() || transport_reset_pending_ || event_reset_owed_ || !rx_pending_.empty()) return ParkResult::kNotIdle;
+  for (const auto& [id, c] : conns_) {
+    if (c->has_deadline) return ParkResult::kNotIdle;  // (only a pass sees these)
+    // A connection whose host end closed is read and flushed by each pass (it left epoll) until
+    // it is done both ways or waits for the guest.
+    if (c->hup && (c->pending_to_host() > 0 || (c->state == Conn::State::kConnected && !c->host_eof && !c->guest_shut_rcv)))
+      return ParkResult::kNotIdle;
+  }
   // A control call under way (Pause, Reset, SaveState, ...) decides about the loop itself.
   std::unique_lock<std::mutex> l(control_mu_, std::try_to_lock);
   if (!l.owns_lock()) return ParkResult::kBusy;
@@ -415,13 +433,10 @@ VirtioVsock::ParkResult VirtioVsock::TryPark() {
     std::lock_guard<std::mutex> s(sync_mu_);
     if (sync_requested_ > sync_done_) return ParkResult::kNotIdle;
   }
-  std::weak_ptr<VirtioVsock> self = weak_from_this();
-  if (self.expired()) return ParkResult::kNotIdle;  // (not owned by a shared_ptr: the watch could outlive it)
+  // (kick_pending_ is false: the loop looked after it drained kick_fd_. A kick from now on is
+  // written to kick_fd_, which the watch sees, and the loop it starts clears the flag.)
   parked_ = true;  // (before running_ goes false: Kick and Sync see one of the two)
-  kick_pending_ = false;  // (a kick from now on is written to kick_fd_, which the watch sees)
-  const uint64_t token = park_watch::Watch(epoll_fd_, [self](uint64_t t) {
-    if (auto dev = self.lock()) dev->Unpark(t);
-  });
+  const uint64_t token = WatchWhileParked();
   if (token == 0) {
     parked_ = false;
     return ParkResult::kNotIdle;  // (it keeps its thread)
@@ -433,19 +448,38 @@ VirtioVsock::ParkResult VirtioVsock::TryPark() {
   // where its pages would stay ours): the read buffer, and what idle connections kept of theirs.
   FreeReadBuffer();
   for (auto& [id, c] : conns_)
-    if (c->pending_to_host() == 0) std::string().swap(c->to_host);
+    if (c->pending_to_host() == 0) {
+      std::string().swap(c->to_host);
+      c->to_host_off = 0;
+    }
   return ParkResult::kParked;
 }
 
 void VirtioVsock::Unpark(uint64_t token) {
-  std::lock_guard<std::mutex> l(control_mu_);
-  if (!parked_ || token != park_token_) return;  // (stopped or started since: an old token)
-  park_token_ = 0;
-  if (active_ && !paused_) StartLoop();  // (joins the parked thread first)
-  if (thread_.joinable() && !running_) thread_.join();
-  parked_ = false;
-  std::lock_guard<std::mutex> s(sync_mu_);
-  sync_cv_.notify_all();  // (a Sync waiting on a loop that could not start)
+  {
+    std::lock_guard<std::mutex> l(control_mu_);
+    if (!parked_ || token != park_token_) return;  // (stopped or started since: an old token)
+    park_token_ = 0;
+    // (StartLoop joins the parked thread first.) No thread to be had now (EAGAIN: a pids or
+    // thread limit, memory): it stays parked and the watch tries again, rather than failing
+    // the device while it idles.
+    if (active_ && !paused_ && !StartLoop(/*fail_device=*/false)) {
+      park_token_ = WatchWhileParked();
+      if (park_token_ == 0) {
+        parked_ = false;
+        FailDevice("vsock: cannot start the device's thread again after a park");
+      }
+    }
+    if (park_token_ == 0) {
+      if (thread_.joinable() && !running_) thread_.join();
+      parked_ = false;
+      std::lock_guard<std::mutex> s(sync_mu_);
+      sync_cv_.notify_all();  // (a Sync waiting on a loop that could not start)
+      return;
+    }
+  }
+  // (on the watch's thread: its fd still reads ready, so the next try comes at once)
+  std::this_thread::sleep_for(std::chrono::milliseconds(10));
 }
 
 void VirtioVsock::FailDevice(const std::string& message) {
@@ -461,28 +495,45 @@ void VirtioVsock::FailDevice(const std::string& message) {
 void VirtioVsock::Loop() {
   pthread_setname_np(pthread_self(), "vsock");
   epoll_event events[64];
-  bool park_again = false;
   while (!stop_) {
-    int n = epoll_wait(epoll_fd_, events, 64, park_again ? 1 : NextTimeoutMs());
+    // (a park asked for is tried again in 1 ms while a control call or a pass is in its way)
+    int n = epoll_wait(epoll_fd_, events, 64, park_requested_ ? 1 : NextTimeoutMs());
     if (n < 0) {
       if (errno == EINTR) continue;
       FailDevice(std::string("vsock: epoll_wait failed: ") + std::strerror(errno));
       break;
     }
-    // A park asked for (RequestPark), and only kicks woke the loop: park before a pass, which would
-    // unpack a packed VM (BeforePass) for nothing.
-    if ((park_requested_.exchange(false) || park_again) && !stop_) {
-      park_again = false;
+    // A park asked for (RequestPark), and only kicks woke the loop (or none): park before a pass,
+    // which would write a packed VM's pages back (BeforePass) for nothing.
+    if (park_requested_ && !stop_) {
       bool only_kicks = true;
       for (int i = 0; i < n; i++) only_kicks = only_kicks && events[i].data.u64 == kKickToken;
       if (only_kicks) {
         uint64_t v;
         ssize_t ignored = read(kick_fd_, &v, sizeof v);
         (void)ignored;
-        const ParkResult p = TryPark();
-        if (p == ParkResult::kParked) return;  // (the thread ends; the park watch starts another)
-        if (p == ParkResult::kBusy) {
-          park_again = true;  // (again in 1 ms, after the control call)
+        // A pass is owed only for a guest kick, a sync or a transport reset since the last one
+        // (each sets its flag before it writes kick_fd_: read after the drain). Then the pass
+        // comes first, and the park is tried after it (unless it woke a packed VM: CancelPark).
+        bool owed = kick_pending_ || transport_reset_pending_;
+        {
+          std::lock_guard<std::mutex> l(sync_mu_);
+          owed = owed || sync_requested_ > sync_done_;
+        }
+        if (!owed) {
+          ParkResult p;
+          try {
+            p = TryPark();
+          } catch (...) {  // (out of memory for the watch's entry: it keeps its thread)
+            p = ParkResult::kNotIdle;
+          }
+          if (p == ParkResult::kParked) return;  // (the thread ends; the park watch starts another)
+          // Refused (a deadline, a connection the host closed, packets for the guest): no pass
+          // either, and it waits as before. Busy (a control call): tried again.
+          if (p == ParkResult::kNotIdle) {
+            park_requested_ = false;
+            counters_.park_refusals++;
+          }
           continue;
         }
       }

@@ -107,6 +107,7 @@ class VirtioVsock : public VirtioDevice, public std::enable_shared_from_this<Vir
     uint64_t connections;      // open connections now
     uint64_t parked;           // 1 while the loop is parked (RequestPark), else 0
     uint64_t parks;            // times it parked
+    uint64_t park_refusals;    // parks asked for and refused (it had work waiting), with no pass
   };
 
   // The part of the device state that a snapshot keeps. Connections are not
@@ -182,6 +183,8 @@ class VirtioVsock : public VirtioDevice, public std::enable_shared_from_this<Vir
   // guest, or a Sync or transport reset to do; only for a device owned by a
   // std::shared_ptr (the watch holds a weak one). Any thread.
   void RequestPark();
+  // The VM woke before the loop looked (Vm::Unpack): a park asked for is dropped. Any thread.
+  void CancelPark() { park_requested_ = false; }
   State SaveState() const;
   void RestoreState(const GuestMemory& mem, const State& state, NotifyGuest notify_guest);
 
@@ -198,8 +201,10 @@ class VirtioVsock : public VirtioDevice, public std::enable_shared_from_this<Vir
   enum class ParkResult { kParked, kBusy, kNotIdle };
   ParkResult TryPark();        // on the loop thread
   void Unpark(uint64_t token);  // on the park watch's thread
+  uint64_t WatchWhileParked();  // park_watch::Watch of epoll_fd_ (0: not watched)
   void FreeReadBuffer();
-  void StartLoop();
+  // False when no thread could be made (it fails the device too, if fail_device).
+  bool StartLoop(bool fail_device = true);
   void WakeLoop();  // one write to kick_fd_: the loop's epoll_wait returns
   void StopLoop();
   void Loop();
@@ -283,7 +288,7 @@ class VirtioVsock : public VirtioDevice, public std::enable_shared_from_this<Vir
 
   struct Counters {
     std::atomic<uint64_t> tx_packets{0}, rx_packets{0}, bad_packets{0}, resets_sent{0}, dropped_control{0},
-        connections{0}, parks{0};
+        connections{0}, parks{0}, park_refusals{0};
   } counters_;
 };
 

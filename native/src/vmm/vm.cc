@@ -803,6 +803,7 @@ void Vm::Unpack() {
   const bool ok = !mapped || (ram_.host() && packed_->Apply(ram_.host(), ram_.size() / 4096));
   if (shelf_) {
     Unshelve();  // (its memslots too)
+    if (vsock_) vsock_->CancelPark();  // (awake again before its vsock loop parked: it keeps its thread)
   } else {
     const bool slots_ok = !memslots_removed_ || AddMemslots();
     memslots_removed_ = false;
@@ -1023,6 +1024,7 @@ Vm::Stats Vm::GetStats() {
     s.counters.emplace_back("vsock_connections", v.connections);
     s.counters.emplace_back("vsock_parked", v.parked);
     s.counters.emplace_back("vsock_parks", v.parks);
+    s.counters.emplace_back("vsock_park_refusals", v.park_refusals);
   }
   if (const snapshot::PatternBacking* pb = pattern()) {
     s.counters.emplace_back("pattern_maps", pb->maps());
