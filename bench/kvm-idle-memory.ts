@@ -12,6 +12,7 @@
 //   FORKLING_LAB_COMMAND='node --expose-gc --import tsx bench/kvm-idle-memory.ts' npx tsx test/lab/run.ts
 //
 // The VMM's C++ heap per child is read from malloc's own count (mallinfo2).
+// Then the time each idle child takes to answer (its wake) against an awake one.
 //
 // Options: --n children (default 10), --image, --warmup, --no-shelve (pack
 // without closing the KVM VM), --no-pack (doze without packing), --no-doze
@@ -107,6 +108,19 @@ try {
   const counted = stats.reduce((a, s) => a + s.privateKiB, 0) / N;
   const dozing = kids.filter((k) => k.nativeVm().stats().counters.dozing === 1).length;
   const shelved = kids.filter((k) => k.nativeVm().stats().counters.shelved === 1).length;
+  // What that costs in time: each idle child's first answer (its vsock loop started again, its
+  // pages written back, its KVM VM made again, the guest woken), one child at a time; then a
+  // second answer from the same child, awake.
+  const wakes: { firstMs: number; againMs: number; unpackMs: number; unshelveMs: number }[] = [];
+  for (const k of kids) {
+    const t0 = performance.now();
+    if ((await k.agent.eval('1 + 1')).value !== 2) throw new Error(`child ${k.id}: wrong answer after its wake`);
+    const t1 = performance.now();
+    await k.agent.eval('1 + 1');
+    const t2 = performance.now();
+    const c = k.nativeVm().stats().counters;
+    wakes.push({ firstMs: t1 - t0, againMs: t2 - t1, unpackMs: (c.last_unpack_us ?? 0) / 1000, unshelveMs: (c.last_unshelve_us ?? 0) / 1000 });
+  }
   await Promise.all(kids.map((k) => k.kill()));
   await settle();
   const killed = { current: cg.currentKiB(), stat: cg.stat() };
@@ -142,6 +156,10 @@ try {
     for (const [k, v] of grown.slice(0, 16)) console.log(`    ${k.padEnd(40)} ${v.toFixed(1).padStart(8)}`);
   }
   console.log(`  threads of this process per child: ${per(before.threads, idle.threads).toFixed(1)}`);
+  const med = (xs: number[]) => [...xs].sort((a, b) => a - b)[Math.floor(xs.length / 2)]!;
+  const ms = (f: (w: (typeof wakes)[number]) => number) => `median ${med(wakes.map(f)).toFixed(1)} ms, max ${Math.max(...wakes.map(f)).toFixed(1)}`;
+  console.log(`  an idle child's first answer (eval 1 + 1, one child at a time): ${ms((w) => w.firstMs)}; of it, its pages written back and its KVM VM made again: ${ms((w) => w.unpackMs)} (the KVM VM alone: ${ms((w) => w.unshelveMs)})`);
+  console.log(`  the same child's next answer, awake: ${ms((w) => w.againMs)}${process.env.FORKLING_IN_LAB ? ' (lab: emulated, times mean nothing)' : ''}`);
   await first!.kill();
 } finally {
   await engine.close();
