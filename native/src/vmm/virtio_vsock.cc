@@ -464,7 +464,10 @@ void VirtioVsock::Unpark(uint64_t token) {
     // thread limit, memory): it stays parked and the watch tries again, rather than failing
     // the device while it idles.
     if (active_ && !paused_ && !StartLoop(/*fail_device=*/false)) {
-      park_token_ = WatchWhileParked();
+      try {
+        park_token_ = WatchWhileParked();
+      } catch (...) {  // (out of memory for the watch's entry)
+      }
       if (park_token_ == 0) {
         parked_ = false;
         FailDevice("vsock: cannot start the device's thread again after a park");
