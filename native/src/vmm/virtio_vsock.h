@@ -179,9 +179,10 @@ class VirtioVsock : public VirtioDevice, public std::enable_shared_from_this<Vir
   // at a host connection, bytes, a close or a kick; the watch then starts
   // the loop again, which handles what woke it as usual. For a VM that is
   // shelved (vm.h Shelve): no guest runs to kick it, so it may be a while.
-  // Not while it has deadlines, host hang-ups or packets waiting for the
-  // guest, or a Sync or transport reset to do; only for a device owned by a
-  // std::shared_ptr (the watch holds a weak one). Any thread.
+  // A Sync, transport reset or guest kick gets its pass first. Refused (a
+  // deadline, a host hang-up with work left, packets waiting for the guest;
+  // a device not owned by a std::shared_ptr, since the watch holds a weak
+  // one), the loop waits as before, with no pass for the request. Any thread.
   void RequestPark();
   // The VM woke before the loop looked (Vm::Unpack): a park asked for is dropped. Any thread.
   void CancelPark() { park_requested_ = false; }
