@@ -819,6 +819,29 @@ test('park: not while a connection waits for the guest to answer, and no pass fo
     assert.is(sd.hdr.flags, SHUT_RCV | SHUT_SEND);
   }));
 
+test('park: 100 cycles of park and wake, bytes both ways racing each park, none lost or reordered', () =>
+  withGuest(async (g) => {
+    const { host, hostPort } = await hostConnect(g, 4600);
+    for (let i = 0; i < 100; i++) {
+      g.d.device.requestPark();
+      if (i % 3 === 0) await park(g); // (else the bytes below race the park)
+      const msg = `message ${i}`;
+      if (i % 2 === 0) {
+        host.write(msg);
+        assert.is((await g.recv(isOp(OP.RW, hostPort), `host bytes ${i}`)).data.toString(), msg);
+      } else {
+        g.send({ op: OP.RW, srcPort: 4600, dstPort: hostPort }, Buffer.from(msg));
+        assert.is((await readBytes(host, msg.length)).toString(), msg);
+      }
+      if (i % 5 === 0) assert.ok(g.d.device.sync(5000), `sync ${i}`);
+    }
+    const s = g.d.device.stats();
+    assert.ok(s.parks >= 34, `${s.parks} parks`);
+    assert.is(s.connections, 1);
+    assert.is(g.d.device.failure(), null);
+    host.destroy();
+  }));
+
 test('snapshot: restoring from saved ring positions continues the rings and resets the transport', () =>
   withGuest(async (g) => {
     const { host, hostPort } = await hostConnect(g, 4300);
