@@ -56,6 +56,12 @@ struct Watcher {
 std::mutex start_mu;
 Watcher* watcher = nullptr;
 
+// The watch if one was made (Forget and Watched make none).
+Watcher* Existing() {
+  std::lock_guard<std::mutex> l(start_mu);
+  return watcher;
+}
+
 Watcher* Get() {
   std::lock_guard<std::mutex> l(start_mu);
   if (watcher) return watcher;
@@ -98,11 +104,7 @@ uint64_t Watch(int fd, std::function<void(uint64_t token)> wake) {
 }
 
 void Forget(uint64_t token, int fd) {
-  Watcher* w;
-  {
-    std::lock_guard<std::mutex> l(start_mu);
-    w = watcher;
-  }
+  Watcher* w = Existing();
   if (!w || token == 0) return;
   std::lock_guard<std::mutex> l(w->mu);
   auto it = w->entries.find(token);
@@ -112,11 +114,7 @@ void Forget(uint64_t token, int fd) {
 }
 
 uint64_t Watched() {
-  Watcher* w;
-  {
-    std::lock_guard<std::mutex> l(start_mu);
-    w = watcher;
-  }
+  Watcher* w = Existing();
   if (!w) return 0;
   std::lock_guard<std::mutex> l(w->mu);
   return w->entries.size();

@@ -1,11 +1,9 @@
 #include "vmm/virtio_vsock.h"
 
-#include "vmm/park_watch.h"
-
 #include <pthread.h>
 #include <sys/epoll.h>
-#include <sys/mman.h>
 #include <sys/eventfd.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -20,6 +18,8 @@
 #include <stdexcept>
 #include <system_error>
 #include <thread>
+
+#include "vmm/park_watch.h"
 
 namespace forkling::vmm {
 namespace {
@@ -417,7 +417,14 @@ uint64_t VirtioVsock::WatchWhileParked() {
 }
 
 VirtioVsock::ParkResult VirtioVsock::TryPark() {
-  if (failed() || transport_reset_pending_ || event_reset_owed_ || !rx_pending_.empty()) return ParkResult::kNotIdle;
+  // A pass is owed for a guest kick, a sync or a transport reset since the last one (each sets
+  // its flag before it writes kick_fd_, and the loop calls this after it drained kick_fd_).
+  if (kick_pending_ || transport_reset_pending_) return ParkResult::kOwed;
+  {
+    std::lock_guard<std::mutex> s(sync_mu_);
+    if (sync_requested_ > sync_done_) return ParkResult::kOwed;
+  }
+  if (failed() || event_reset_owed_ || !rx_pending_.empty()) return ParkResult::kNotIdle;
   for (const auto& [id, c] : conns_) {
     if (c->has_deadline) return ParkResult::kNotIdle;  // (only a pass sees these)
     // A connection whose host end closed is read and flushed by each pass (it left epoll) until
@@ -429,12 +436,8 @@ VirtioVsock::ParkResult VirtioVsock::TryPark() {
   std::unique_lock<std::mutex> l(control_mu_, std::try_to_lock);
   if (!l.owns_lock()) return ParkResult::kBusy;
   if (stop_ || paused_ || !active_) return ParkResult::kNotIdle;
-  {
-    std::lock_guard<std::mutex> s(sync_mu_);
-    if (sync_requested_ > sync_done_) return ParkResult::kNotIdle;
-  }
-  // (kick_pending_ is false: the loop looked after it drained kick_fd_. A kick from now on is
-  // written to kick_fd_, which the watch sees, and the loop it starts clears the flag.)
+  // (A kick, sync or transport reset from now on writes kick_fd_, which the watch sees; the loop
+  // it starts clears kick_pending_.)
   parked_ = true;  // (before running_ goes false: Kick and Sync see one of the two)
   const uint64_t token = WatchWhileParked();
   if (token == 0) {
@@ -515,30 +518,21 @@ void VirtioVsock::Loop() {
         uint64_t v;
         ssize_t ignored = read(kick_fd_, &v, sizeof v);
         (void)ignored;
-        // A pass is owed only for a guest kick, a sync or a transport reset since the last one
-        // (each sets its flag before it writes kick_fd_: read after the drain). Then the pass
+        ParkResult p;
+        try {
+          p = TryPark();
+        } catch (...) {  // (out of memory for the watch's entry: it keeps its thread)
+          p = ParkResult::kNotIdle;
+        }
+        if (p == ParkResult::kParked) return;  // (the thread ends; the park watch starts another)
+        // Refused (a deadline, a connection the host closed, packets for the guest): no pass
+        // either, and it waits as before. Busy (a control call): tried again. Owed: the pass
         // comes first, and the park is tried after it (unless it woke a packed VM: CancelPark).
-        bool owed = kick_pending_ || transport_reset_pending_;
-        {
-          std::lock_guard<std::mutex> l(sync_mu_);
-          owed = owed || sync_requested_ > sync_done_;
+        if (p == ParkResult::kNotIdle) {
+          park_requested_ = false;
+          counters_.park_refusals++;
         }
-        if (!owed) {
-          ParkResult p;
-          try {
-            p = TryPark();
-          } catch (...) {  // (out of memory for the watch's entry: it keeps its thread)
-            p = ParkResult::kNotIdle;
-          }
-          if (p == ParkResult::kParked) return;  // (the thread ends; the park watch starts another)
-          // Refused (a deadline, a connection the host closed, packets for the guest): no pass
-          // either, and it waits as before. Busy (a control call): tried again.
-          if (p == ParkResult::kNotIdle) {
-            park_requested_ = false;
-            counters_.park_refusals++;
-          }
-          continue;
-        }
+        if (p != ParkResult::kOwed) continue;
       }
     }
     // An exception here (out of memory while queueing for a guest) would end Node

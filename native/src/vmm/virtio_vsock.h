@@ -199,8 +199,9 @@ class VirtioVsock : public VirtioDevice, public std::enable_shared_from_this<Vir
   };
 
   void ClearRuntime();
-  enum class ParkResult { kParked, kBusy, kNotIdle };
-  ParkResult TryPark();        // on the loop thread
+  // kOwed: a pass is due first (a kick, sync or transport reset); kBusy: a control call holds it.
+  enum class ParkResult { kParked, kOwed, kBusy, kNotIdle };
+  ParkResult TryPark();        // on the loop thread, kick_fd_ drained
   void Unpark(uint64_t token);  // on the park watch's thread
   uint64_t WatchWhileParked();  // park_watch::Watch of epoll_fd_ (0: not watched)
   void FreeReadBuffer();
