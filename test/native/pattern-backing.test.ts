@@ -61,6 +61,38 @@ test('pattern bookkeeping: stretches joined and split, mappings counted, the bud
   assert.throws(() => a.maps(), /closed/);
 });
 
+test('pattern bookkeeping: 2,000 random adds and removes agree with a plain set of pages', () => {
+  const before = t.patternMapsInProcess();
+  const a = new t.PatternBackingProbe();
+  const model = new Set<number>();
+  let seed = 7;
+  const rand = (n: number) => {
+    seed = (seed * 1103515245 + 12345) % 2 ** 31;
+    return seed % n;
+  };
+  for (let i = 0; i < 2000; i++) {
+    const first = rand(300);
+    const count = 1 + rand(12);
+    if (rand(3) === 0) {
+      a.remove(first, count);
+      for (let p = first; p < first + count; p++) model.delete(p);
+    } else {
+      a.add(first, count);
+      for (let p = first; p < first + count; p++) model.add(p);
+    }
+    if (i % 50 === 0 || i === 1999) {
+      const pages = [...model].sort((x, y) => x - y);
+      assert.equal(a.pages(), pages, `after step ${i}`);
+      const stretches = pages.filter((p, k) => k === 0 || pages[k - 1] !== p - 1).length;
+      assert.is(a.maps(), stretches, `stretches after step ${i}`);
+      assert.is(t.patternMapsInProcess(), before + stretches);
+      for (let p = 0; p < 320; p++) if (a.has(p) !== model.has(p)) assert.unreachable(`has(${p}) after step ${i}`);
+    }
+  }
+  a.close();
+  assert.is(t.patternMapsInProcess(), before);
+});
+
 test('pattern bookkeeping: bad arguments are refused with a clear error', () => {
   const a = new t.PatternBackingProbe();
   assert.throws(() => a.add(-1, 1), /first/);

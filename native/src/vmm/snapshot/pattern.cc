@@ -20,40 +20,69 @@ std::atomic<size_t> g_process_maps{0};
 
 size_t PatternMapsInProcess() { return g_process_maps.load(); }
 
-PatternBacking::~PatternBacking() { g_process_maps -= maps_; }
+PatternBacking::~PatternBacking() { g_process_maps -= counted_maps_; }
 
-bool PatternBacking::Has(uint64_t page) const { return std::binary_search(pages_.begin(), pages_.end(), page); }
+bool PatternBacking::Has(uint64_t page) const {
+  // the last stretch that starts at or before `page`
+  auto it = std::upper_bound(stretches_.begin(), stretches_.end(), page, [](uint64_t p, const Stretch& s) { return p < s.first; });
+  return it != stretches_.begin() && page < std::prev(it)->end;
+}
+
+std::vector<uint64_t> PatternBacking::Pages() const {
+  std::vector<uint64_t> pages;
+  pages.reserve(page_count_);
+  for (const Stretch& s : stretches_)
+    for (uint64_t p = s.first; p < s.end; p++) pages.push_back(p);
+  return pages;
+}
 
 size_t PatternBacking::MapsLeft() const {
   if (exhausted_) return 0;
   const size_t process = g_process_maps.load();
-  const size_t own = kPatternMapsPerVm - std::min(maps_, kPatternMapsPerVm);
+  const size_t own = kPatternMapsPerVm - std::min(maps(), kPatternMapsPerVm);
   return std::min(own, kPatternMapsPerProcess - std::min(process, kPatternMapsPerProcess));
 }
 
 void PatternBacking::Add(uint64_t first, uint64_t count) {
-  std::vector<uint64_t> run(count);
-  for (uint64_t i = 0; i < count; i++) run[i] = first + i;
-  std::vector<uint64_t> merged;
-  merged.reserve(pages_.size() + count);
-  std::set_union(pages_.begin(), pages_.end(), run.begin(), run.end(), std::back_inserter(merged));
-  pages_ = std::move(merged);
-  Recount();
+  if (count == 0) return;
+  uint64_t end = first + count;
+  // Stretches that overlap or touch [first, end) join it.
+  auto lo = std::lower_bound(stretches_.begin(), stretches_.end(), first, [](const Stretch& s, uint64_t f) { return s.end < f; });
+  auto hi = lo;
+  while (hi != stretches_.end() && hi->first <= end) {
+    first = std::min(first, hi->first);
+    end = std::max(end, hi->end);
+    ++hi;
+  }
+  lo = stretches_.erase(lo, hi);
+  stretches_.insert(lo, Stretch{first, end});
+  Changed();
 }
 
 void PatternBacking::Remove(uint64_t first, uint64_t count) {
-  pages_.erase(std::lower_bound(pages_.begin(), pages_.end(), first), std::lower_bound(pages_.begin(), pages_.end(), first + count));
-  Recount();
+  if (count == 0) return;
+  const uint64_t end = first + count;
+  std::vector<Stretch> kept;
+  kept.reserve(stretches_.size() + 1);
+  for (const Stretch& s : stretches_) {
+    if (s.end <= first || s.first >= end) {
+      kept.push_back(s);
+      continue;
+    }
+    if (s.first < first) kept.push_back(Stretch{s.first, first});
+    if (s.end > end) kept.push_back(Stretch{end, s.end});
+  }
+  stretches_ = std::move(kept);
+  Changed();
 }
 
-void PatternBacking::Recount() {
-  // A run mapped over or next to runs mapped before replaces or joins them (one file, one
-  // offset per page): about a mapping per stretch of pages in a row.
-  size_t maps = 0;
-  for (size_t i = 0; i < pages_.size(); i++) maps += i == 0 || pages_[i] != pages_[i - 1] + 1;
-  g_process_maps += maps;
-  g_process_maps -= maps_;
-  maps_ = maps;
+void PatternBacking::Changed() {
+  stretches_.shrink_to_fit();
+  page_count_ = 0;
+  for (const Stretch& s : stretches_) page_count_ += s.end - s.first;
+  g_process_maps += stretches_.size();
+  g_process_maps -= counted_maps_;
+  counted_maps_ = stretches_.size();
 }
 
 std::vector<uint64_t> WrittenPages(const Vm& vm) {
@@ -62,7 +91,8 @@ std::vector<uint64_t> WrittenPages(const Vm& vm) {
   const PatternBacking* pb = vm.pattern();
   if (!pb) return pages;
   std::vector<uint64_t> all;
-  std::set_union(pages.begin(), pages.end(), pb->pages().begin(), pb->pages().end(), std::back_inserter(all));
+  const std::vector<uint64_t> mapped = pb->Pages();
+  std::set_union(pages.begin(), pages.end(), mapped.begin(), mapped.end(), std::back_inserter(all));
   return all;
 }
 
@@ -120,17 +150,20 @@ bool PatternBacking::MapAgain(uint8_t* ram) const {
     const DiffRun* r = layer_->Find(page);
     return r ? layer_->data_offset() + (r->slot + page - r->page) * kPage : ~uint64_t(0);
   };
-  for (size_t i = 0; i < pages_.size();) {
-    const uint64_t first = pages_[i], off = offset(first);
-    if (off == ~uint64_t(0)) return false;
-    size_t j = i + 1;
-    while (j < pages_.size() && pages_[j] == first + (j - i) && offset(pages_[j]) == off + (j - i) * kPage) j++;
-    uint8_t* at = ram + first * kPage;
-    const uint64_t bytes = (j - i) * kPage;
-    if (mmap(at, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE, layer_->fd(), off_t(off)) == MAP_FAILED)
-      return false;
-    madvise(at, bytes, MADV_DONTDUMP);
-    i = j;
+  for (const Stretch& s : stretches_) {
+    // A stretch is one mapping unless the pattern's file holds its pages apart.
+    for (uint64_t i = s.first; i < s.end;) {
+      const uint64_t off = offset(i);
+      if (off == ~uint64_t(0)) return false;
+      uint64_t j = i + 1;
+      while (j < s.end && offset(j) == off + (j - i) * kPage) j++;
+      uint8_t* at = ram + i * kPage;
+      const uint64_t bytes = (j - i) * kPage;
+      if (mmap(at, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED | MAP_NORESERVE, layer_->fd(), off_t(off)) == MAP_FAILED)
+        return false;
+      madvise(at, bytes, MADV_DONTDUMP);
+      i = j;
+    }
   }
   return true;
 }

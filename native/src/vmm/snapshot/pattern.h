@@ -63,12 +63,13 @@ class PatternBacking {
 
   const DiffLayer& layer() const { return *layer_; }
   // RAM pages mapped from the pattern (sorted).
-  const std::vector<uint64_t>& pages() const { return pages_; }
+  std::vector<uint64_t> Pages() const;
+  uint64_t page_count() const { return page_count_; }
   bool Has(uint64_t page) const;
   // Runs this VM may still map (its own budget and the process's).
   size_t MapsLeft() const;
   // Runs this VM has mapped.
-  size_t maps() const { return maps_; }
+  size_t maps() const { return stretches_.size(); }
   // Records [first, first + count) as mapped from the pattern (joining stretches mapped before).
   void Add(uint64_t first, uint64_t count);
   // Records [first, first + count) as the memory file's again (a failed mmap mapped it back).
@@ -81,11 +82,19 @@ class PatternBacking {
   bool MapAgain(uint8_t* ram) const;
 
  private:
-  void Recount();  // maps_ from pages_: a mapping per stretch of pages in a row
+  // Pages in a row, [first, end); kept sorted, apart and not touching: a
+  // stretch costs one mapping however it was mapped (one file, one offset per
+  // page), and an idle child keeps these for as long as it lives, so they are
+  // stretches (at most ~kPatternMapsPerVm), not a list of its pages.
+  struct Stretch {
+    uint64_t first, end;
+  };
+  void Changed();  // the process's count and page_count_ follow stretches_
 
   std::shared_ptr<const DiffLayer> layer_;
-  std::vector<uint64_t> pages_;
-  size_t maps_ = 0;
+  std::vector<Stretch> stretches_;
+  uint64_t page_count_ = 0;
+  size_t counted_maps_ = 0;  // what this VM adds to the process's count now
   bool exhausted_ = false;
 };
 

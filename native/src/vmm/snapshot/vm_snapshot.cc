@@ -498,7 +498,7 @@ MemoryUsage MeasureGuestMemory(const Vm& vm) {
   }
   u.guest_private_bytes = c.private_pages * kPageSize;
   u.guest_shared_bytes = c.shared_pages * kPageSize;
-  if (const PatternBacking* pb = vm.pattern()) u.guest_pattern_bytes = pb->pages().size() * kPageSize;
+  if (const PatternBacking* pb = vm.pattern()) u.guest_pattern_bytes = pb->page_count() * kPageSize;
   return u;
 }
 
