@@ -27,6 +27,10 @@
 //
 //   vmmTesting.packRoundTrip(pages, bases, ramPages?) -> {added, packedPages,
 //     encodedBytes, hostBytes, applied, restored}
+//
+// And the zero-run squeeze of a shelved VM's state (vmm/snapshot/zero_runs.h):
+//
+//   vmmTesting.squeezeZeros(bytes) -> Buffer; vmmTesting.expandZeros(bytes, maxBytes) -> Buffer
 #include <napi.h>
 #include <sys/mman.h>
 
@@ -40,6 +44,8 @@
 #include "vmm/park_watch.h"
 #include "vmm/snapshot/packed_pages.h"
 #include "vmm/snapshot/pattern.h"
+#include "vmm/snapshot/state_file.h"
+#include "vmm/snapshot/zero_runs.h"
 #include "vmm/virtio_rng.h"
 #include "vmm/virtio_vsock.h"
 
@@ -496,7 +502,7 @@ class PatternBackingProbe : public Napi::ObjectWrap<PatternBackingProbe> {
     return Napi::Boolean::New(info.Env(), live(info.Env()).Has(ToUint(info.Env(), info[0], "page", kMaxPage)));
   }
   Napi::Value Pages(const Napi::CallbackInfo& info) {
-    const std::vector<uint64_t>& pages = live(info.Env()).pages();
+    const std::vector<uint64_t> pages = live(info.Env()).Pages();
     Napi::Array out = Napi::Array::New(info.Env(), pages.size());
     for (size_t i = 0; i < pages.size(); i++) out.Set(uint32_t(i), Napi::Number::New(info.Env(), double(pages[i])));
     return out;
@@ -549,6 +555,23 @@ void InitVmmTesting(Napi::Env env, Napi::Object exports) {
           o.Set("applied", Napi::Boolean::New(env, applied));
           o.Set("restored", out);
           return o;
+        }));
+  t.Set("squeezeZeros", Napi::Function::New(env, [](const Napi::CallbackInfo& info) -> Napi::Value {
+          if (!info[0].IsBuffer()) throw Napi::TypeError::New(info.Env(), "squeezeZeros(bytes: Buffer)");
+          auto in = info[0].As<Napi::Buffer<uint8_t>>();
+          const std::vector<uint8_t> out = vmm::snapshot::SqueezeZeros(std::vector<uint8_t>(in.Data(), in.Data() + in.Length()));
+          return Napi::Buffer<uint8_t>::Copy(info.Env(), out.data(), out.size());
+        }));
+  t.Set("expandZeros", Napi::Function::New(env, [](const Napi::CallbackInfo& info) -> Napi::Value {
+          if (!info[0].IsBuffer()) throw Napi::TypeError::New(info.Env(), "expandZeros(bytes: Buffer, maxBytes)");
+          auto in = info[0].As<Napi::Buffer<uint8_t>>();
+          const uint64_t max = ToUint(info.Env(), info[1], "maxBytes", 1u << 30);
+          try {
+            const std::vector<uint8_t> out = vmm::snapshot::ExpandZeros(std::vector<uint8_t>(in.Data(), in.Data() + in.Length()), max);
+            return Napi::Buffer<uint8_t>::Copy(info.Env(), out.data(), out.size());
+          } catch (const vmm::snapshot::CorruptError& e) {
+            throw Napi::Error::New(info.Env(), e.what());
+          }
         }));
   t.Set("patternMapsInProcess", Napi::Function::New(env, [](const Napi::CallbackInfo& info) {
           return Napi::Number::New(info.Env(), double(vmm::snapshot::PatternMapsInProcess()));

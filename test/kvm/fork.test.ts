@@ -348,6 +348,7 @@ labTest('pack: a dozing child keeps its private pages as the bytes that differ, 
     assert.ok(k.lastPack?.ramTablesDropped && k.lastPack.shelved, JSON.stringify(k.lastPack));
     const said = (c: Record<string, number | undefined>) => JSON.stringify({ packs: c.packs, unpacks: c.unpacks, shelved: c.shelved, shelves: c.shelves, dozing: c.dozing, dozes: c.dozes, vsock_rx: c.vsock_rx_packets, vsock_tx: c.vsock_tx_packets, irqs: c.virtio_interrupts });
     assert.is(deep.shelved, 1, said(deep));
+    assert.ok(deep.shelf_bytes! > 0, `a shelved child keeps its KVM state: shelf_bytes ${deep.shelf_bytes}`);
     assert.is(vms0 - vms1, 1, `KVM VM files ${vms0} -> ${vms1}`);
     assert.is(vcpus0 - vcpus1, 1, `KVM vCPU files ${vcpus0} -> ${vcpus1}`);
     assert.is(loops0 - loops1, 1, `vsock loop threads ${loops0} -> ${loops1}`);
@@ -364,6 +365,7 @@ labTest('pack: a dozing child keeps its private pages as the bytes that differ, 
     assert.ok(Math.abs(t) < 1, `the unshelved child's clock is ${t} s off`);
     const back = await counters();
     assert.is(back.shelved, 0);
+    assert.is(back.shelf_bytes, 0, 'its shelf is dropped at the wake');
     assert.is(back.vsock_parked, 0, 'its vsock loop runs again');
     assert.ok(back.vsock_parks! >= 1);
     assert.is(kvmFiles('vm'), vms0, 'KVM VM files after the wake');
@@ -377,7 +379,7 @@ labTest('pack: a dozing child keeps its private pages as the bytes that differ, 
     assert.ok(c!.lastPack?.ramTablesDropped, JSON.stringify(c!.lastPack));
     assert.is((await c!.agent.eval('hashlib.sha256(BLOB).hexdigest() == MINE')).value, true);
     console.log(`    pack: ${p.privatePages} private pages, ${p.packedPages} packed into ${first.packed_bytes! / 1024} KiB, ${p.keptPages} kept; written back in ${woke.last_unpack_us} µs`);
-    console.log(`    shelved: KVM VM files ${vms0} -> ${vms1}, vCPU files ${vcpus0} -> ${vcpus1}, vsock loop threads ${loops0} -> ${loops1}, vCPU threads ${vcpuThreads0} -> ${vcpuThreads1}; made again in ${back.last_unshelve_us} µs (lab: emulated)`);
+    console.log(`    shelved: KVM VM files ${vms0} -> ${vms1}, vCPU files ${vcpus0} -> ${vcpus1}, vsock loop threads ${loops0} -> ${loops1}, vCPU threads ${vcpuThreads0} -> ${vcpuThreads1}; its KVM state kept in ${deep.shelf_bytes} bytes; made again in ${back.last_unshelve_us} µs (lab: emulated)`);
     console.log(`    page tables freed with nothing left private: this process's VmPTE ${pte0} -> ${pte1} KiB (the child's counted ${awake.hostPageTableKiB} KiB), SecPageTables ${sec0} -> ${sec1} KiB (its nested tables counted ${awake.hostNptKiB} KiB)`);
   } finally {
     await e.close();

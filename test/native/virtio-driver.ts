@@ -118,6 +118,8 @@ interface VmmTesting {
   PatternBackingProbe: new () => PatternBackingProbe;
   patternMapsInProcess(): number;
   packRoundTrip(pages: Uint8Array, bases: Uint8Array, ramPages?: number): PackRoundTrip;
+  squeezeZeros(bytes: Uint8Array): globalThis.Buffer;
+  expandZeros(bytes: Uint8Array, maxBytes: number): globalThis.Buffer;
 }
 
 export function vmmTesting(): VmmTesting {

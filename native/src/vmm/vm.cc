@@ -1011,6 +1011,7 @@ Vm::Stats Vm::GetStats() {
   s.counters.emplace_back("unpacks", unpacks_.load());
   s.counters.emplace_back("last_unpack_us", last_unpack_ns_.load() / 1000);
   s.counters.emplace_back("shelved", shelf_ ? 1 : 0);
+  s.counters.emplace_back("shelf_bytes", shelf_ ? shelf_->state.size() + shelf_->tsc_khz.size() * sizeof(uint64_t) : 0);
   s.counters.emplace_back("shelves", shelves_.load());
   s.counters.emplace_back("last_unshelve_us", last_unshelve_ns_.load() / 1000);
   uint64_t irqs = 0;

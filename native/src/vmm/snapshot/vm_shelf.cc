@@ -11,15 +11,21 @@
 #include <chrono>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 #include <system_error>
 
+#include "vmm/snapshot/kvm_state.h"
+#include "vmm/snapshot/state_file.h"
 #include "vmm/snapshot/vm_shelf.h"
+#include "vmm/snapshot/zero_runs.h"
 #include "vmm/vm.h"
 
 namespace forkling::vmm {
 namespace {
 
 constexpr uint32_t kMsrTsc = 0x10;
+// What a shelf's state may expand to: far above the ~10 KiB a vCPU takes.
+constexpr size_t kMaxShelfStateBytes = 64u << 20;
 
 uint64_t BootNs() {
   timespec t;
@@ -39,12 +45,14 @@ bool Vm::Shelve() {
   }
   auto shelf = std::make_unique<snapshot::Shelf>();
   try {
-    shelf->vm = snapshot::CaptureVm(vm_fd_);
-    for (auto& v : vcpus_) {
-      shelf->vcpus.push_back(snapshot::CaptureVcpu(kvm_fd_, vm_fd_, v->fd));
-      const int khz = ioctl(v->fd, KVM_GET_TSC_KHZ, 0);
+    std::vector<snapshot::Section> sections;
+    sections.push_back(snapshot::EncodeVm(snapshot::CaptureVm(vm_fd_)));
+    for (uint32_t i = 0; i < vcpus_.size(); i++) {
+      sections.push_back(snapshot::EncodeVcpu(i, snapshot::CaptureVcpu(kvm_fd_, vm_fd_, vcpus_[i]->fd)));
+      const int khz = ioctl(vcpus_[i]->fd, KVM_GET_TSC_KHZ, 0);
       shelf->tsc_khz.push_back(khz > 0 ? uint64_t(khz) : 0);
     }
+    shelf->state = snapshot::SqueezeZeros(snapshot::EncodeStateFile(sections));
   } catch (const std::exception&) {
     return false;  // (it stays a KVM VM, as it was)
   }
@@ -93,13 +101,20 @@ void Vm::Unshelve() {
     if (!AddMemslots()) throw std::system_error(errno, std::generic_category(), "KVM_SET_USER_MEMORY_REGION");
     memslots_removed_ = false;
     for (uint32_t i = 0; i < vcpus_.size(); i++) OpenVcpu(*vcpus_[i], i);
+    const std::string what = "its shelf";
+    const std::vector<uint8_t> bytes = snapshot::ExpandZeros(shelf->state, kMaxShelfStateBytes);
+    const std::vector<snapshot::Section> sections = snapshot::DecodeStateFile(bytes.data(), bytes.size(), what);
+    const snapshot::Section* vmsec = snapshot::FindSection(sections, snapshot::kTagVm);
+    if (!vmsec) throw snapshot::CorruptError(what + " has no KVM VM section");
     // Time went on while it was away, as for a VM that dozed: kvm-clock and each TSC advance by it.
     const uint64_t away = BootNs() - shelf->at_ns;
-    snapshot::VmKvmState vm = shelf->vm;
+    snapshot::VmKvmState vm = snapshot::DecodeVm(*vmsec, what);
     vm.clock.clock += away;
     snapshot::RestoreVm(vm_fd_, vm);
     for (uint32_t i = 0; i < vcpus_.size(); i++) {
-      snapshot::VcpuState& s = shelf->vcpus[i];
+      const snapshot::Section* v = snapshot::FindSection(sections, snapshot::kTagVcpu, i);
+      if (!v) throw snapshot::CorruptError(what + " has no section for vCPU " + std::to_string(i));
+      snapshot::VcpuState s = snapshot::DecodeVcpu(*v, what);
       if (const uint64_t khz = shelf->tsc_khz[i])
         for (kvm_msr_entry& m : s.msrs)
           if (m.index == kMsrTsc) m.data += uint64_t((unsigned __int128)away * khz / 1000000u);
