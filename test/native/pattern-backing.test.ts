@@ -67,8 +67,8 @@ test('pattern bookkeeping: 2,000 random adds and removes agree with a plain set 
   const model = new Set<number>();
   let seed = 7;
   const rand = (n: number) => {
-    seed = (seed * 1103515245 + 12345) % 2 ** 31;
-    return seed % n;
+    seed = (Math.imul(seed, 1103515245) + 12345) >>> 0; // (32-bit: a product past 2^53 loses its low bits)
+    return (seed >>> 8) % n; // (an LCG's low bits cycle fast)
   };
   for (let i = 0; i < 2000; i++) {
     const first = rand(300);

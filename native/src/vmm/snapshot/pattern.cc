@@ -80,8 +80,7 @@ void PatternBacking::Changed() {
   stretches_.shrink_to_fit();
   page_count_ = 0;
   for (const Stretch& s : stretches_) page_count_ += s.end - s.first;
-  g_process_maps += stretches_.size();
-  g_process_maps -= counted_maps_;
+  g_process_maps.fetch_add(stretches_.size() - counted_maps_);  // (one step; unsigned wrap-around subtracts)
   counted_maps_ = stretches_.size();
 }
 

@@ -21,6 +21,7 @@ uint64_t GetVarint(const std::vector<uint8_t>& in, size_t& at) {
   for (int shift = 0; shift < 64; shift += 7) {
     if (at >= in.size()) throw CorruptError("squeezed bytes end inside a number");
     const uint8_t b = in[at++];
+    if (shift == 63 && b > 1) break;  // (bits past 64)
     v |= uint64_t(b & 0x7f) << shift;
     if (!(b & 0x80)) return v;
   }

@@ -14,8 +14,8 @@
 namespace forkling::vmm::snapshot {
 
 std::vector<uint8_t> SqueezeZeros(const std::vector<uint8_t>& bytes);
-// Throws CorruptError (state_file.h) for input SqueezeZeros cannot have made,
-// or that expands past `max_bytes`.
+// Throws CorruptError (state_file.h) for input that ends inside a token,
+// holds a number past 64 bits, or expands past `max_bytes`.
 std::vector<uint8_t> ExpandZeros(const std::vector<uint8_t>& squeezed, size_t max_bytes);
 
 }  // namespace forkling::vmm::snapshot
