@@ -267,7 +267,7 @@ async function linux(): Promise<void> {
   const { KvmEngine } = await import('../host/engine/kvm/engine.ts');
   // In the emulated lab 100 children take minutes to answer, not milliseconds.
   // Idle reclaim passes as outside the lab (the lab's default is off).
-  const { RECLAIM_IDLE_MS } = await import('../host/engine/kvm/engine.ts');
+  const { RECLAIM_IDLE_MS } = await import('../host/engine/kvm/sleep-after.ts');
   const engine = new KvmEngine({
     reclaimIdleMs: RECLAIM_IDLE_MS,
     pattern: !values['no-pattern'],

@@ -3,6 +3,7 @@
 // is bound, is exactly `listening <url>` (e.g. `listening http://127.0.0.1:4780`);
 // tools and tests read the port from it. Logs go to stderr.
 import { DEFAULT_MAX_IN_FLIGHT, MAX_TIMEOUT_MS } from '../../protocol/server-ops.ts';
+import { defaultReclaimIdleMs, MAX_SLEEP_AFTER_MS } from '../engine/kvm/sleep-after.ts';
 import { openEngine } from '../engine/select.ts';
 import { UserError } from '../errors.ts';
 import { callAgentClient } from '../server/agent-bridge.ts';
@@ -31,6 +32,10 @@ const USAGE = `usage: forkling serve [options]
   --spares <n>              process engine: forks kept ready per template, so that a new sandbox needs no
                             fork of its own (default $FORKLING_PROCESS_SPARES, else ${DEFAULT_SPARES}; 0: none);
                             each holds an idle sandbox's memory (~0.4 MiB once idle 2-5 s) and counts in no limit
+  --sleep-after-ms <n>      kvm engine: a sandbox idle this long sleeps: its memory is packed away and its KVM VM
+                            closed (~70-90 KiB left of it) until its next request, which wakes it first (default
+                            $FORKLING_KVM_SLEEP_AFTER_MS, else 1000; 0: never, each holds 1.8 MiB or more and answers
+                            at once). The process engine gives memory back after 2-5 s idle by itself
   --max-unsent-mib <n>      most output held for clients that read slower than their sandboxes write, all
                             of them together (default 1024); past it, those holding the most are cut off
                             (so is a client that takes none of 64 KiB or more for 60 s)
@@ -62,6 +67,7 @@ export async function serveCommand(argv: string[]): Promise<number> {
         'max-timeout-ms': { type: 'string' },
         'max-in-flight': { type: 'string' },
         spares: { type: 'string' },
+        'sleep-after-ms': { type: 'string' },
         'max-unsent-mib': { type: 'string' },
         'drain-ms': { type: 'string' },
         'tls-cert': { type: 'string' },
@@ -107,11 +113,19 @@ export async function serveCommand(argv: string[]): Promise<number> {
   // (the engine's own default is no spares: a one-shot `forkling fork` would only waste them)
   const sparesEnv = process.env.FORKLING_PROCESS_SPARES || undefined;
   const spares = str('spares') !== undefined || sparesEnv === undefined ? positiveInt('spares', str('spares'), DEFAULT_SPARES, 0) : undefined;
+  const sleepAfterMs = str('sleep-after-ms') === undefined ? undefined : positiveInt('sleep-after-ms', str('sleep-after-ms'), 0, 0);
+  if (sleepAfterMs !== undefined && sleepAfterMs > MAX_SLEEP_AFTER_MS) {
+    throw new UserError(`--sleep-after-ms ${sleepAfterMs} is more than a day`, `give at most ${MAX_SLEEP_AFTER_MS}, or 0 for never`);
+  }
   const auth = tokenFile ? await TokenAuth.fromFile(tokenFile) : null;
 
   // (the engine's lines start with "forkling: " of their own)
   const log = (line: string) => process.stderr.write(`forkling serve: ${line.replace(/^forkling: /, '')}\n`);
-  const engine = await openEngine(str('engine'), { log, ...(spares !== undefined ? { processSpares: spares } : {}) });
+  const engine = await openEngine(str('engine'), {
+    log,
+    ...(spares !== undefined ? { processSpares: spares } : {}),
+    ...(sleepAfterMs !== undefined ? { kvmSleepAfterMs: sleepAfterMs } : {}),
+  });
   const metrics = new ServerMetrics();
   const manager = new SandboxManager({
     engine,
@@ -146,7 +160,9 @@ export async function serveCommand(argv: string[]): Promise<number> {
   log(
     `engine ${engine.name}; auth ${auth ? 'bearer token' : 'none (loopback only)'}; ` +
       `max ${maxSandboxes} sandboxes; default timeout ${defaultTimeoutMs} ms` +
-      (engine.name === 'process' ? `; ${spares ?? `$FORKLING_PROCESS_SPARES (${sparesEnv})`} spare forks per template` : ''),
+      (engine.name === 'process' ? `; ${spares ?? `$FORKLING_PROCESS_SPARES (${sparesEnv})`} spare forks per template` : '') +
+      (engine.name === 'process' && sleepAfterMs !== undefined ? '; --sleep-after-ms is for the kvm engine: ignored' : '') +
+      (engine.name === 'kvm' ? `; idle sandboxes sleep after ${sleepAfterMs ?? defaultReclaimIdleMs()} ms (0: never)` : ''),
   );
 
   await new Promise<void>((resolve) => {

@@ -54,6 +54,8 @@ export async function openEngine(
     log?: (line: string) => void;
     /** The process engine's spare forks per template (its option `spares`; default: its own, $FORKLING_PROCESS_SPARES or 0). */
     processSpares?: number;
+    /** The KVM engine's idle time before a child sleeps (its option `reclaimIdleMs`; default: its own, $FORKLING_KVM_SLEEP_AFTER_MS or 1 s). */
+    kvmSleepAfterMs?: number;
   } = {},
 ): Promise<Engine> {
   const sel = resolveEngine(parseEngineChoice(option));
@@ -65,5 +67,5 @@ export async function openEngine(
   }
   // Loaded only when chosen: a process-engine host never loads the VMM code.
   const { KvmEngine } = await import('./kvm/engine.ts');
-  return new KvmEngine({ progress: log });
+  return new KvmEngine({ progress: log, ...(opts.kvmSleepAfterMs !== undefined ? { reclaimIdleMs: opts.kvmSleepAfterMs } : {}) });
 }

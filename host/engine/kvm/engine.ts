@@ -12,6 +12,7 @@ import { kernelCmdline } from './cmdline.ts';
 import { startChildren } from './fork.ts';
 import { type PatternSource, Patterns } from './pattern.ts';
 import { createKvmTemplate, loadTemplate, templateExists } from './template.ts';
+import { defaultReclaimIdleMs, MAX_SLEEP_AFTER_MS } from './sleep-after.ts';
 import { KvmSandbox } from './vm.ts';
 
 export const KVM_ISOLATION = 'each sandbox is a KVM virtual machine with its own kernel';
@@ -68,7 +69,7 @@ export interface KvmEngineOptions {
   /**
    * A forked or branched child gives back the pages it wrote back to the
    * template's bytes once its agent has been idle this long (default
-   * RECLAIM_IDLE_MS; 0: never). See KvmSandbox.reclaim.
+   * defaultReclaimIdleMs, sleep-after.ts; 0: never). See KvmSandbox.reclaim.
    */
   reclaimIdleMs?: number;
   /**
@@ -99,26 +100,20 @@ export interface KvmEngineOptions {
   progress?: (line: string) => void;
 }
 
-/** Idle time before a child's first reclaim pass. */
-export const RECLAIM_IDLE_MS = 1000;
-
-/**
- * Off by default inside the KVM lab only: each pass's MADV_DONTNEED flushes
- * the TLB of every CPU running this process, and the lab's QEMU (emulated
- * nested SVM) now and then loses that IPI to a CPU in guest mode, leaving
- * the lab's kernel spinning (soft lockup). Tests there ask for passes.
- */
-function defaultReclaimIdleMs(): number {
-  return process.env.FORKLING_IN_LAB ? 0 : RECLAIM_IDLE_MS;
-}
-
 export class KvmEngine implements Engine {
   readonly name = 'kvm' as const;
   readonly isolation = KVM_ISOLATION;
   private readonly live = new Set<KvmSandbox>();
   private closed = false;
 
+  /** opts.reclaimIdleMs, else the default (checked here: a bad $FORKLING_KVM_SLEEP_AFTER_MS fails at once, not at a fork). */
+  private readonly idleMs: number;
+
   constructor(private readonly opts: KvmEngineOptions = {}) {
+    this.idleMs = opts.reclaimIdleMs ?? defaultReclaimIdleMs();
+    if (!Number.isSafeInteger(this.idleMs) || this.idleMs < 0 || this.idleMs > MAX_SLEEP_AFTER_MS) {
+      throw new UserError(`reclaimIdleMs ${opts.reclaimIdleMs} is not a whole number of ms from 0 to ${MAX_SLEEP_AFTER_MS}`, 'give e.g. 1000, or 0 for never');
+    }
     this.patterns = new Patterns({
       // Named as children ('vm-'): a hostname and id of another length are strings of another size
       // in the guest, which moved the agent's allocations and left pages unlike the children's.
@@ -192,7 +187,7 @@ export class KvmEngine implements Engine {
     this.checkOpen();
     const { info, snapshot } = await this.loaded(template);
     const children = await this.track(await startChildren(snapshot, n, { prefix: 'vm', readyTimeoutMs: this.opts.childReadyTimeoutMs }));
-    const idleMs = this.reclaimIdleMs();
+    const idleMs = this.idleMs;
     if (idleMs > 0 && this.opts.pattern !== false) this.patterns.attach(template, info.createdAt, snapshot, children, idleMs);
     return children;
   }
@@ -203,10 +198,6 @@ export class KvmEngine implements Engine {
   /** The pattern of a template this engine forked from (benchmarks, diagnostics). */
   patternOf(template: string): PatternSource | undefined {
     return this.patterns.of(template);
-  }
-
-  private reclaimIdleMs(): number {
-    return this.opts.reclaimIdleMs ?? defaultReclaimIdleMs();
   }
 
   /** Sandboxes made by a call that began before close(): killed, not kept; else live. */
@@ -247,7 +238,7 @@ export class KvmEngine implements Engine {
 
   private async track(children: KvmSandbox[]): Promise<KvmSandbox[]> {
     await this.adopt(children);
-    for (const c of children) c.reclaimWhenIdle(this.reclaimIdleMs(), { doze: this.opts.doze !== false, pack: this.opts.pack !== false, shelve: this.opts.shelve !== false });
+    for (const c of children) c.reclaimWhenIdle(this.idleMs, { doze: this.opts.doze !== false, pack: this.opts.pack !== false, shelve: this.opts.shelve !== false });
     return children;
   }
 
