@@ -4,7 +4,7 @@
 // children independent, memory freed on kill, corrupt templates refused, a
 // warm-up past its limit refused.
 import { execFileSync } from 'node:child_process';
-import { copyFileSync, cpSync, existsSync, mkdirSync, readdirSync, readFileSync, readlinkSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
+import { copyFileSync, cpSync, existsSync, mkdirSync, readdirSync, readFileSync, readlinkSync, realpathSync, rmSync, truncateSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
@@ -41,6 +41,16 @@ async function until(ok: () => boolean | Promise<boolean>, deadline: number, why
   }
 }
 
+function fdsOf(path: string): number {
+  return readdirSync('/proc/self/fd').filter((fd) => {
+    try {
+      return readlinkSync(`/proc/self/fd/${fd}`) === path;
+    } catch {
+      return false; // (closed meanwhile)
+    }
+  }).length;
+}
+
 function mappingsOf(path: string): number {
   return readFileSync('/proc/self/maps', 'utf8').split('\n').filter((l) => l.endsWith(path)).length;
 }
@@ -57,6 +67,7 @@ labTest('the warm-up state is in every child; children are ready after restore',
   await rejects(() => engine.prepare(`${NAME}-missing`), /does not exist/);
   const kids = await fork(3);
   try {
+    kids.push(...(await fork(1)));
     for (const k of kids) {
       assert.ok(k.timings.readyAt > k.timings.startedAt);
       const r = await k.agent.eval('WARM');
@@ -64,6 +75,8 @@ labTest('the warm-up state is in every child; children are ready after restore',
       const h = await k.agent.request('hello', { versions: [1] });
       assert.is(h.sandboxId, k.id, 'restore set the sandbox id');
     }
+    // The template is loaded once: the children of both forks share its state and one descriptor of its memory file.
+    assert.is(fdsOf(realpathSync(join(templateDir(NAME), MEMORY_FILE))), 1, 'descriptors of the memory file');
   } finally {
     await Promise.all(kids.map((k) => k.kill()));
   }

@@ -11,7 +11,7 @@ import { type BranchFigures, branchChildren, diffDir } from './branch.ts';
 import { kernelCmdline } from './cmdline.ts';
 import { startChildren } from './fork.ts';
 import { type PatternSource, Patterns } from './pattern.ts';
-import { createKvmTemplate, loadTemplate, templateExists } from './template.ts';
+import { createKvmTemplate, loadTemplate, templateExists, templateIdentity } from './template.ts';
 import { defaultReclaimIdleMs, MAX_SLEEP_AFTER_MS } from './sleep-after.ts';
 import { KvmSandbox } from './vm.ts';
 
@@ -167,6 +167,13 @@ export class KvmEngine implements Engine {
   /** Figures of the last branch (pause of the source, pages copied), for benchmarks. */
   lastBranch: BranchFigures | null = null;
   private readonly creatingTemplates = new Map<string, Promise<TemplateInfo>>();
+  /**
+   * Each template as loaded, while its files stay the same (templateIdentity):
+   * the children of every fork of it then share one copy of its state (~11
+   * KiB) and one descriptor of its memory file, where each fork loaded its
+   * own and its children kept it for as long as they lived.
+   */
+  private readonly loadedTemplates = new Map<string, { identity: string; loaded: ReturnType<typeof loadTemplate> }>();
 
   /** `boot` tunes the template VM's kernel (its children inherit that kernel as it is). */
   async createTemplate(opts: TemplateOptions & { boot?: Pick<KvmBootOptions, 'initOnFree' | 'kernelArgs'> }): Promise<TemplateInfo> {
@@ -213,7 +220,7 @@ export class KvmEngine implements Engine {
     return made;
   }
 
-  /** The template, checked (its memory file's checksum once per process: cached); `default` made on first use. */
+  /** The template, checked as it is loaded (its memory file's checksum once per process: cached); `default` made on first use. */
   private async loaded(template: string): Promise<ReturnType<typeof loadTemplate>> {
     if (!templateExists(template)) {
       if (template !== 'default') loadTemplate(template); // throws "does not exist"
@@ -225,7 +232,18 @@ export class KvmEngine implements Engine {
       }
       await p;
     }
-    return loadTemplate(template);
+    // (read before the files: a template replaced in between is loaded again next time)
+    let identity: string;
+    try {
+      identity = templateIdentity(template);
+    } catch {
+      return loadTemplate(template); // (gone meanwhile: it says so)
+    }
+    const hit = this.loadedTemplates.get(template);
+    if (hit?.identity === identity) return hit.loaded;
+    const loaded = loadTemplate(template);
+    this.loadedTemplates.set(template, { identity, loaded });
+    return loaded;
   }
 
   async branch(source: Sandbox, n: number): Promise<KvmSandbox[]> {
@@ -245,6 +263,7 @@ export class KvmEngine implements Engine {
   async close(): Promise<void> {
     this.closed = true;
     this.patterns.clear();
+    this.loadedTemplates.clear();
     await Promise.all([...this.live].map((s) => s.kill()));
     this.live.clear();
   }

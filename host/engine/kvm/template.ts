@@ -28,6 +28,21 @@ export function templateExists(name: string): boolean {
   return existsSync(join(templateDir(name), INFO_FILE));
 }
 
+/**
+ * Which files a template is now: the device, inode, size and mtime of each.
+ * A new template of the same name is other inodes (it is made in a directory
+ * renamed into place: buildDirAtomic); a file changed in place, cut short
+ * for one, has another size or mtime, so it is loaded (and checked) again.
+ */
+export function templateIdentity(name: string): string {
+  return [INFO_FILE, STATE_FILE, MEMORY_FILE]
+    .map((f) => {
+      const st = statSync(join(templateDir(name), f), { bigint: true });
+      return `${st.dev}:${st.ino}:${st.size}:${st.mtimeNs}`;
+    })
+    .join('/');
+}
+
 export function readTemplateInfo(name: string): TemplateInfo {
   const path = join(templateDir(name), INFO_FILE);
   if (!existsSync(path)) throw new UserError(`template ${JSON.stringify(name)} does not exist`, 'create it: forkling template create <name> --image <image>');
