@@ -14,9 +14,10 @@
 // The VMM's C++ heap per child is read from malloc's own count (mallinfo2).
 // Then the time each idle child takes to answer (its wake) against an awake one.
 //
-// Options: --n children (default 10), --image, --warmup, --no-shelve (pack
-// without closing the KVM VM), --no-pack (doze without packing), --no-doze
-// (none of them).
+// Options: --n children (default 10), --each (fork them one call each, as
+// `Sandbox.create` through the server does, not in one call), --image,
+// --warmup, --no-shelve (pack without closing the KVM VM), --no-pack (doze
+// without packing), --no-doze (none of them).
 import { readdirSync, readFileSync, rmSync } from 'node:fs';
 import { parseArgs } from 'node:util';
 import { KvmEngine } from '../host/engine/kvm/engine.ts';
@@ -30,6 +31,7 @@ import { until } from './until.ts';
 const { values } = parseArgs({
   options: {
     n: { type: 'string', default: '10' },
+    each: { type: 'boolean', default: false },
     image: { type: 'string', default: 'default' },
     warmup: { type: 'string', default: 'import json, random, uuid' },
     'no-shelve': { type: 'boolean', default: false },
@@ -98,7 +100,9 @@ try {
 
   await settle();
   const before = { current: cg.currentKiB(), stat: cg.stat(), parts: kernelParts(), threads: threads(), heap: heapKiB(), malloc: mallocKiB() };
-  const kids = await labRetry('fork', () => engine.fork(name, N));
+  const kids = values.each
+    ? (await Promise.all(Array.from({ length: N }, () => labRetry('fork', () => engine.fork(name, 1))))).flat()
+    : await labRetry('fork', () => engine.fork(name, N));
   for (const k of kids) if ((await k.agent.eval('1 + 1')).value !== 2) throw new Error(`child ${k.id}: wrong answer`);
   const passes = new Map(kids.map((k) => [k, k.reclaimed.passes]));
   await until(`${N} children idle`, () => kids.every((k) => idleDone(k, passes.get(k)!)), 600_000);
@@ -130,7 +134,7 @@ try {
   const fileIdle = per(before.stat.file ?? 0, idle.stat.file ?? 0);
   const allIdle = per(before.current, idle.current);
   console.log(
-    `\nwhat ${N} idle forked children cost the host, per child (image ${values.image}, warm-up ${JSON.stringify(values.warmup)}, idle passes after ${IDLE_MS} ms, pattern on, doze ${dozeOn ? 'on' : 'off'}, pack ${packOn ? 'on' : 'off'}, shelve ${shelveOn ? 'on' : 'off'}; ${dozing} of ${N} dozing, ${shelved} shelved)`,
+    `\nwhat ${N} idle forked children cost the host, per child (${values.each ? 'forked one call each' : 'forked in one call'}, image ${values.image}, warm-up ${JSON.stringify(values.warmup)}, idle passes after ${IDLE_MS} ms, pattern on, doze ${dozeOn ? 'on' : 'off'}, pack ${packOn ? 'on' : 'off'}, shelve ${shelveOn ? 'on' : 'off'}; ${dozing} of ${N} dozing, ${shelved} shelved)`,
   );
   console.log(`  memory cgroup of this process, KiB per child (memory.current is exact; memory.stat's fields, which the kernel sums lazily, only roughly):`);
   console.log(`    ${'field'.padEnd(22)} ${'idle children'.padStart(14)} ${'freed by kill'.padStart(14)}`);
