@@ -44,6 +44,34 @@ test('UART: output bytes, THRE interrupts, divisor latch, input', () => {
   assert.is(u.read(5) & 1, 0);
 });
 
+test('UART: input in order however reads and input interleave; at most 4096 bytes wait', () => {
+  const u = new vmm.Uart();
+  const readAll = () => {
+    let out = '';
+    while (u.read(5) & 1) out += String.fromCharCode(u.read(0));
+    return out;
+  };
+  u.input(Buffer.from('abc'));
+  assert.is(String.fromCharCode(u.read(0)), 'a');
+  u.input(Buffer.from('def'));
+  assert.is(readAll(), 'bcdef');
+  // One byte in and one out, many times over, with a few waiting all along.
+  u.input(Buffer.from('012'));
+  let got = '';
+  let sent = '012';
+  for (let i = 0; i < 5000; i++) {
+    const c = String.fromCharCode(33 + (i % 90));
+    u.input(Buffer.from(c));
+    sent += c;
+    got += String.fromCharCode(u.read(0));
+  }
+  got += readAll();
+  assert.is(got, sent);
+  u.input(Buffer.alloc(5000, 0x78));
+  assert.is(readAll().length, 4096, 'input past 4096 waiting bytes is dropped');
+  assert.is(u.read(0), 0, 'empty: reads 0');
+});
+
 test('i8042: command byte, self test, and both reset paths', () => {
   const k = new vmm.I8042();
   assert.is(k.read(0x64) & 1, 0, 'output buffer empty');

@@ -6,10 +6,37 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
-#include <deque>
 #include <functional>
+#include <vector>
 
 namespace forkling::vmm {
+
+// A FIFO of bytes that holds no memory while empty: std::deque allocates
+// ~0.5 KiB as it is made, and every VM has two of these, empty nearly always.
+class ByteFifo {
+ public:
+  bool empty() const { return head_ == buf_.size(); }
+  size_t size() const { return buf_.size() - head_; }
+  uint8_t front() const { return buf_[head_]; }
+  void push_back(uint8_t b) {
+    if (head_ > 0 && head_ >= buf_.size() / 2) {  // (the bytes read go, at most once per size doubling)
+      buf_.erase(buf_.begin(), buf_.begin() + std::ptrdiff_t(head_));
+      head_ = 0;
+    }
+    buf_.push_back(b);
+  }
+  void pop_front() {
+    if (++head_ == buf_.size()) clear();
+  }
+  void clear() {
+    std::vector<uint8_t>().swap(buf_);
+    head_ = 0;
+  }
+
+ private:
+  std::vector<uint8_t> buf_;
+  size_t head_ = 0;
+};
 
 class Uart8250 {
  public:
@@ -53,7 +80,7 @@ class Uart8250 {
   Output out_;
   uint8_t ier_ = 0, lcr_ = 0, mcr_ = 0x08 /*OUT2*/, scr_ = 0, dll_ = 0x0c, dlm_ = 0;
   bool thre_pending_ = false;  // THR-empty interrupt owed until IIR is read or THR written
-  std::deque<uint8_t> rx_;
+  ByteFifo rx_;
 };
 
 class I8042 {
@@ -79,7 +106,7 @@ class I8042 {
   uint8_t ctr_ = 0x45;  // kbd interrupt, system flag, translate (what firmware leaves)
   uint8_t outp_ = 0x01;
   uint8_t pending_cmd_ = 0;
-  std::deque<uint8_t> out_;
+  ByteFifo out_;
 };
 
 class CmosRtc {
