@@ -32,10 +32,13 @@ const USAGE = `usage: forkling serve [options]
   --spares <n>              process engine: forks kept ready per template, so that a new sandbox needs no
                             fork of its own (default $FORKLING_PROCESS_SPARES, else ${DEFAULT_SPARES}; 0: none);
                             each holds an idle sandbox's memory (~0.4 MiB once idle 2-5 s) and counts in no limit
-  --sleep-after-ms <n>      kvm engine: a sandbox idle this long sleeps: its memory is packed away and its KVM VM
-                            closed (~70-90 KiB left of it) until its next request, which wakes it first (default
-                            $FORKLING_KVM_SLEEP_AFTER_MS, else 1000; 0: never, each holds 1.8 MiB or more and answers
-                            at once). The process engine gives memory back after 2-5 s idle by itself
+  --sleep-after-ms <n>      kvm engine: a sandbox idle this long, with nothing left running in it, sleeps: its
+                            memory is packed away and its KVM VM closed (~70-90 KiB left of it) until its next
+                            request, which wakes it first (default $FORKLING_KVM_SLEEP_AFTER_MS, else 1000; 0:
+                            never: each holds 1.8 MiB or more and answers at once). A sandbox that gave back little
+                            waits twice as long the next time, up to 60 s or this. A template's first children
+                            wait this long before they build its pattern. The process engine gives memory back after
+                            2-5 s idle by itself
   --max-unsent-mib <n>      most output held for clients that read slower than their sandboxes write, all
                             of them together (default 1024); past it, those holding the most are cut off
                             (so is a client that takes none of 64 KiB or more for 60 s)

@@ -237,12 +237,14 @@ export class KvmEngine implements Engine {
     try {
       identity = templateIdentity(template);
     } catch {
+      this.loadedTemplates.delete(template); // (removed: its memory file is not held open for it)
       return loadTemplate(template); // (gone meanwhile: it says so)
     }
     const hit = this.loadedTemplates.get(template);
     if (hit?.identity === identity) return hit.loaded;
+    this.loadedTemplates.delete(template);
     const loaded = loadTemplate(template);
-    this.loadedTemplates.set(template, { identity, loaded });
+    if (!this.closed) this.loadedTemplates.set(template, { identity, loaded });
     return loaded;
   }
 

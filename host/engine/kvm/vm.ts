@@ -355,7 +355,8 @@ export class KvmSandbox implements Sandbox {
     this.reclaimed.patternPages += f.patternPages;
     if (this.patternSet) this.reclaimed.patternPasses++;
     const little = (f.droppedPages + f.patternPages) * 16 < f.privatePages;
-    this.reclaimDelayMs = little ? Math.min(this.reclaimDelayMs * 2, 60_000) : this.reclaimIdleMs;
+    // (backing off to a minute at most, or to the idle time asked for where that is longer)
+    this.reclaimDelayMs = little ? Math.min(this.reclaimDelayMs * 2, Math.max(60_000, this.reclaimIdleMs)) : this.reclaimIdleMs;
     return f;
   }
 

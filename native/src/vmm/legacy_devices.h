@@ -4,6 +4,7 @@
 // read sane values). Each is a plain state machine over port offsets, driven
 // by the VM's I/O dispatch (under its lock) and by tests without KVM.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <functional>
