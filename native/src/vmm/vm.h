@@ -227,6 +227,11 @@ class Vm {
   void Unshelve();
   // KVM_CREATE_VCPU for vcpu `index` into `v`, its kvm_run mapped, its CPUID set (SetupVcpu, Unshelve).
   void OpenVcpu(Vcpu& v, uint32_t index);
+  std::vector<int> VcpuFds() const {
+    std::vector<int> fds;
+    for (const auto& v : vcpus_) fds.push_back(v->fd);
+    return fds;
+  }
   // KVM_CREATE_VM and the in-kernel irqchip and PIT (SetupVm, Unshelve).
   void CreateKvmVm();
   void StartVcpuThread(uint32_t index);

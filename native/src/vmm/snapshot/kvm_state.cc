@@ -243,4 +243,21 @@ VmKvmState DecodeVm(const Section& sec, const std::string& what) {
   return s;
 }
 
+void CaptureKvmSections(int kvm_fd, int vm_fd, const std::vector<int>& vcpu_fds, std::vector<Section>& out) {
+  out.push_back(EncodeVm(CaptureVm(vm_fd)));
+  for (uint32_t i = 0; i < vcpu_fds.size(); i++) out.push_back(EncodeVcpu(i, CaptureVcpu(kvm_fd, vm_fd, vcpu_fds[i])));
+}
+
+KvmState DecodeKvmSections(const std::vector<Section>& sections, uint32_t vcpus, const std::string& what) {
+  const Section* vm = FindSection(sections, kTagVm);
+  if (!vm) throw CorruptError(what + " is corrupt: state file has no KVM VM section");
+  KvmState k{DecodeVm(*vm, what), {}};
+  for (uint32_t i = 0; i < vcpus; i++) {
+    const Section* v = FindSection(sections, kTagVcpu, i);
+    if (!v) throw CorruptError(what + " is corrupt: state file has no section for vCPU " + std::to_string(i));
+    k.vcpus.push_back(DecodeVcpu(*v, what));
+  }
+  return k;
+}
+
 }  // namespace forkling::vmm::snapshot

@@ -62,6 +62,17 @@ VmKvmState CaptureVm(int vm_fd);
 // clock is set by the agent's restore call).
 void RestoreVm(int vm_fd, const VmKvmState& s);
 
+// KVM's state of a VM and of each of its vCPUs, as a template's state file
+// (and a shelved VM: vm_shelf.cc) keeps them: a KVMV section and a VCPU
+// section per vCPU (index: the vCPU's number).
+struct KvmState {
+  VmKvmState vm;
+  std::vector<VcpuState> vcpus;
+};
+void CaptureKvmSections(int kvm_fd, int vm_fd, const std::vector<int>& vcpu_fds, std::vector<Section>& out);
+// Throws CorruptError naming `what` for a section missing or corrupt.
+KvmState DecodeKvmSections(const std::vector<Section>& sections, uint32_t vcpus, const std::string& what);
+
 Section EncodeVcpu(uint32_t index, const VcpuState& s);
 VcpuState DecodeVcpu(const Section& s, const std::string& what);
 Section EncodeVm(const VmKvmState& s);

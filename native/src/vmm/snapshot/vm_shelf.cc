@@ -46,10 +46,9 @@ bool Vm::Shelve() {
   auto shelf = std::make_unique<snapshot::Shelf>();
   try {
     std::vector<snapshot::Section> sections;
-    sections.push_back(snapshot::EncodeVm(snapshot::CaptureVm(vm_fd_)));
-    for (uint32_t i = 0; i < vcpus_.size(); i++) {
-      sections.push_back(snapshot::EncodeVcpu(i, snapshot::CaptureVcpu(kvm_fd_, vm_fd_, vcpus_[i]->fd)));
-      const int khz = ioctl(vcpus_[i]->fd, KVM_GET_TSC_KHZ, 0);
+    snapshot::CaptureKvmSections(kvm_fd_, vm_fd_, VcpuFds(), sections);
+    for (auto& v : vcpus_) {
+      const int khz = ioctl(v->fd, KVM_GET_TSC_KHZ, 0);
       shelf->tsc_khz.push_back(khz > 0 ? uint64_t(khz) : 0);
     }
     shelf->state = snapshot::SqueezeZeros(snapshot::EncodeStateFile(sections));
@@ -103,18 +102,13 @@ void Vm::Unshelve() {
     for (uint32_t i = 0; i < vcpus_.size(); i++) OpenVcpu(*vcpus_[i], i);
     const std::string what = "its shelf";
     const std::vector<uint8_t> bytes = snapshot::ExpandZeros(shelf->state, kMaxShelfStateBytes);
-    const std::vector<snapshot::Section> sections = snapshot::DecodeStateFile(bytes.data(), bytes.size(), what);
-    const snapshot::Section* vmsec = snapshot::FindSection(sections, snapshot::kTagVm);
-    if (!vmsec) throw snapshot::CorruptError(what + " has no KVM VM section");
+    snapshot::KvmState k = snapshot::DecodeKvmSections(snapshot::DecodeStateFile(bytes.data(), bytes.size(), what), uint32_t(vcpus_.size()), what);
     // Time went on while it was away, as for a VM that dozed: kvm-clock and each TSC advance by it.
     const uint64_t away = BootNs() - shelf->at_ns;
-    snapshot::VmKvmState vm = snapshot::DecodeVm(*vmsec, what);
-    vm.clock.clock += away;
-    snapshot::RestoreVm(vm_fd_, vm);
+    k.vm.clock.clock += away;
+    snapshot::RestoreVm(vm_fd_, k.vm);
     for (uint32_t i = 0; i < vcpus_.size(); i++) {
-      const snapshot::Section* v = snapshot::FindSection(sections, snapshot::kTagVcpu, i);
-      if (!v) throw snapshot::CorruptError(what + " has no section for vCPU " + std::to_string(i));
-      snapshot::VcpuState s = snapshot::DecodeVcpu(*v, what);
+      snapshot::VcpuState& s = k.vcpus[i];
       if (const uint64_t khz = shelf->tsc_khz[i])
         for (kvm_msr_entry& m : s.msrs)
           if (m.index == kMsrTsc) m.data += uint64_t((unsigned __int128)away * khz / 1000000u);

@@ -125,8 +125,7 @@ std::vector<Section> Vm::SaveState() {
     meta.has_vsock = vsock_ != nullptr;
     meta.has_rng = cfg_.rng;
     out.push_back(Pod(kTagMeta, 0, meta));
-    out.push_back(EncodeVm(CaptureVm(vm_fd_)));
-    for (uint32_t i = 0; i < vcpus_.size(); i++) out.push_back(EncodeVcpu(i, CaptureVcpu(kvm_fd_, vm_fd_, vcpus_[i]->fd)));
+    CaptureKvmSections(kvm_fd_, vm_fd_, VcpuFds(), out);
     {
       std::lock_guard<std::mutex> l(io_mu_);
       out.push_back(Pod(kTagUart, 0, uart_->SaveState()));
@@ -214,14 +213,9 @@ void Vm::RestoreState(const RestoreSpec& spec) {
       meta.virtio_count != virtio_.size() || bool(meta.has_vsock) != (vsock_ != nullptr) ||
       bool(meta.has_rng) != cfg_.rng)
     throw std::runtime_error(what + ": the snapshot's machine (memory, vCPUs, devices) differs from this VM's");
-  const Section* vmsec = FindSection(s, kTagVm);
-  if (!vmsec) throw CorruptError(what + " is corrupt: state file has no KVM VM section");
-  RestoreVm(vm_fd_, DecodeVm(*vmsec, what));
-  for (uint32_t i = 0; i < vcpus_.size(); i++) {
-    const Section* v = FindSection(s, kTagVcpu, i);
-    if (!v) throw CorruptError(what + " is corrupt: state file has no section for vCPU " + std::to_string(i));
-    RestoreVcpu(vm_fd_, vcpus_[i]->fd, DecodeVcpu(*v, what));
-  }
+  const KvmState k = DecodeKvmSections(s, uint32_t(vcpus_.size()), what);
+  RestoreVm(vm_fd_, k.vm);
+  for (uint32_t i = 0; i < vcpus_.size(); i++) RestoreVcpu(vm_fd_, vcpus_[i]->fd, k.vcpus[i]);
   std::lock_guard<std::mutex> l(io_mu_);
   uart_->RestoreState(GetPod<Uart8250::State>(s, kTagUart, 0, what, "UART"));
   i8042_->RestoreState(GetPod<I8042::State>(s, kTagI8042, 0, what, "i8042"));
