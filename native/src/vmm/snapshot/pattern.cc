@@ -20,7 +20,7 @@ std::atomic<size_t> g_process_maps{0};
 
 size_t PatternMapsInProcess() { return g_process_maps.load(); }
 
-PatternBacking::~PatternBacking() { g_process_maps -= counted_maps_; }
+PatternBacking::~PatternBacking() { g_process_maps -= stretches_.size(); }
 
 bool PatternBacking::Has(uint64_t page) const {
   // the last stretch that starts at or before `page`
@@ -45,6 +45,7 @@ size_t PatternBacking::MapsLeft() const {
 
 void PatternBacking::Add(uint64_t first, uint64_t count) {
   if (count == 0) return;
+  const size_t before = stretches_.size();
   uint64_t end = first + count;
   // Stretches that overlap or touch [first, end) join it.
   auto lo = std::lower_bound(stretches_.begin(), stretches_.end(), first, [](const Stretch& s, uint64_t f) { return s.end < f; });
@@ -56,11 +57,12 @@ void PatternBacking::Add(uint64_t first, uint64_t count) {
   }
   lo = stretches_.erase(lo, hi);
   stretches_.insert(lo, Stretch{first, end});
-  Changed();
+  Changed(before);
 }
 
 void PatternBacking::Remove(uint64_t first, uint64_t count) {
   if (count == 0) return;
+  const size_t before = stretches_.size();
   const uint64_t end = first + count;
   std::vector<Stretch> kept;
   kept.reserve(stretches_.size() + 1);
@@ -73,15 +75,14 @@ void PatternBacking::Remove(uint64_t first, uint64_t count) {
     if (s.end > end) kept.push_back(Stretch{end, s.end});
   }
   stretches_ = std::move(kept);
-  Changed();
+  Changed(before);
 }
 
-void PatternBacking::Changed() {
+void PatternBacking::Changed(size_t maps_before) {
   stretches_.shrink_to_fit();
   page_count_ = 0;
   for (const Stretch& s : stretches_) page_count_ += s.end - s.first;
-  g_process_maps.fetch_add(stretches_.size() - counted_maps_);  // (one step; unsigned wrap-around subtracts)
-  counted_maps_ = stretches_.size();
+  g_process_maps.fetch_add(stretches_.size() - maps_before);  // (one step; unsigned wrap-around subtracts)
 }
 
 std::vector<uint64_t> WrittenPages(const Vm& vm) {

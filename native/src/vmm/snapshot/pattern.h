@@ -89,12 +89,11 @@ class PatternBacking {
   struct Stretch {
     uint64_t first, end;
   };
-  void Changed();  // the process's count and page_count_ follow stretches_
+  void Changed(size_t maps_before);  // the process's count and page_count_ follow stretches_
 
   std::shared_ptr<const DiffLayer> layer_;
   std::vector<Stretch> stretches_;
   uint64_t page_count_ = 0;
-  size_t counted_maps_ = 0;  // what this VM adds to the process's count now
   bool exhausted_ = false;
 };
 
