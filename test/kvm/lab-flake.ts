@@ -22,7 +22,11 @@
 // tcg,thread=single) the same signature struck the nested guest instead,
 // during a cold boot; with fsgsbase off (FORKLING_LAB_CPU=EPYC,+svm,+npt,
 // -fsgsbase) a vCPU thread of ours spun in the lab's kernel (soft lockup,
-// 300+ s). So 100 children are not measured in the lab. And now and then the
+// 300+ s). So 100 children are not measured in the lab. Without nested paging
+// in the lab (FORKLING_LAB_CPU=EPYC,+svm,-npt: its KVM shadows the guests'
+// page tables), 2026-12-05: that fork of 100 ran through once (with NPT it
+// froze the lab again the same day), but a whole suite froze twice in
+// fork.test.ts: not the cure (and the boot tests ran 10-30% longer). And now and then the
 // whole lab freezes: no console output at all, both of its CPUs spinning in
 // QEMU (seen in fork.test.ts's Linux reclaim test, now skipped in the lab, and
 // once in snapshot-vm.test.ts, 2026-11-30): after 690 s of silence the runner
