@@ -5,7 +5,8 @@
 //
 // In the lab a Linux fork of 100 rarely survives the lab's early triple fault
 // (it strikes a few percent of the children there; see test/kvm/lab-flake.ts):
-// use --sizes 1,10,30.
+// use --sizes 1,10,30, or a lab without nested paging
+// (FORKLING_LAB_CPU=EPYC,+svm,-npt: bench/README.md).
 //
 // --guest tiny (default): the VMM alone, with test/kvm/tiny-guest.ts (an ELF
 //   that counts in guest memory and prints the count): "ready" is the first

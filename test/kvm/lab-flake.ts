@@ -24,9 +24,12 @@
 // -fsgsbase) a vCPU thread of ours spun in the lab's kernel (soft lockup,
 // 300+ s). So 100 children are not measured in the lab. Without nested paging
 // in the lab (FORKLING_LAB_CPU=EPYC,+svm,-npt: its KVM shadows the guests'
-// page tables), 2026-12-05: that fork of 100 ran through once (with NPT it
+// page tables), 2026-12-05: that fork of 100 ran through twice (with NPT it
 // froze the lab again the same day), but a whole suite froze twice in
-// fork.test.ts: not the cure (and the boot tests ran 10-30% longer). And now and then the
+// fork.test.ts: not the cure for the freezes below (and the boot tests ran
+// 10-30% longer). The lab's kvm_amd has no vGIF nor virtual VMLOAD/VMSAVE
+// (QEMU's TCG offers neither: the kvm-ready line prints its parameters), so
+// those are not where its "GS base wrong" panics come from. And now and then the
 // whole lab freezes: no console output at all, both of its CPUs spinning in
 // QEMU (seen in fork.test.ts's Linux reclaim test, now skipped in the lab, and
 // once in snapshot-vm.test.ts, 2026-11-30): after 690 s of silence the runner

@@ -18,16 +18,23 @@ fail() {
 }
 
 # Per-run settings (LAB_REPO, LAB_NODE, LAB_PATH, LAB_STORE, LAB_CI, LAB_FILTER,
-# LAB_COMMAND, LAB_INNER_TIMEOUT), appended to the initramfs by the host.
+# LAB_COMMAND, LAB_INNER_TIMEOUT, LAB_KVM_AMD_ARGS), appended to the initramfs by the host.
 [ -f /lab.env ] || fail "/lab.env missing from the initramfs"
 . /lab.env
 echo "LAB-STAGE kernel-up $(cut -d' ' -f1 /proc/uptime)"
 
 for m in $(cat /modules/order); do
-	insmod "/modules/$m.ko" || fail "insmod $m"
+	args=
+	[ "$m" = kvm_amd ] && args=$LAB_KVM_AMD_ARGS
+	# shellcheck disable=SC2086 # (several parameters, split on purpose)
+	insmod "/modules/$m.ko" $args || fail "insmod $m $args"
 done
 [ -c /dev/kvm ] || fail "/dev/kvm did not appear after loading the kvm modules"
-echo "LAB-STAGE kvm-ready npt=$(dmesg | grep -ci "nested paging enabled") $(cut -d" " -f1 /proc/uptime)"
+kvm_amd_params=
+for p in npt vgif vls avic; do
+	[ -r "/sys/module/kvm_amd/parameters/$p" ] && kvm_amd_params="$kvm_amd_params $p=$(cat "/sys/module/kvm_amd/parameters/$p")"
+done
+echo "LAB-STAGE kvm-ready$kvm_amd_params $(cut -d" " -f1 /proc/uptime)"
 
 mkdir -p /host
 # cache=loose: the share is read-only and the host leaves it alone during the run.

@@ -20,6 +20,7 @@
 //   FORKLING_LAB_ACCEL      QEMU -accel (default tcg; e.g. tcg,thread=single)
 //   FORKLING_LAB_BUSYBOX    static busybox to use (default /bin/busybox)
 //   FORKLING_LAB_KERNEL_ARGS  more arguments for the lab's own kernel (e.g. debugfs=off)
+//   FORKLING_LAB_KVM_AMD_ARGS  parameters for the lab's kvm_amd module (e.g. 'vgif=0 vls=0')
 //   FORKLING_HOME           the store; mounted inside (writes go to an overlay in the lab's RAM)
 //   FORKLING_TEST_FILTER, CI  passed to the inner suite
 //   FORKLING_LAB_COMMAND    a shell command to run in the checkout instead of the suite, e.g.
@@ -118,6 +119,7 @@ async function main(startedAt: number): Promise<Summary> {
     LAB_CI: process.env.CI ?? '',
     LAB_FILTER: process.env.FORKLING_TEST_FILTER ?? '',
     LAB_COMMAND: process.env.FORKLING_LAB_COMMAND ?? '',
+    LAB_KVM_AMD_ARGS: process.env.FORKLING_LAB_KVM_AMD_ARGS ?? '',
     // The inner watchdog fires first so that the kernel log still gets printed.
     LAB_INNER_TIMEOUT: String(Math.max(20, timeoutS - 60)),
   });
