@@ -105,7 +105,7 @@ enum {
   NR_read = 0, NR_write = 1, NR_open = 2, NR_close = 3, NR_poll = 7, NR_mmap = 9, NR_rt_sigaction = 13, NR_rt_sigprocmask = 14,
   NR_rt_sigreturn = 15, NR_pread = 17, NR_pwrite = 18, NR_madvise = 28, NR_nanosleep = 35, NR_getpid = 39,
   NR_fstat = 5, NR_munmap = 11, NR_msync = 26, NR_exit_group = 231, NR_fcntl = 72, NR_ftruncate = 77, NR_gettid = 186, NR_futex = 202, NR_getdents64 = 217, NR_tgkill = 234,
-  NR_memfd_create = 319, NR_openat = 257,
+  NR_memfd_create = 319, NR_openat = 257, NR_process_madvise = 440,
 };
 #define EINTR 4
 #define EBUSY 16
@@ -429,11 +429,17 @@ static int add_run(struct fr_state *st, u64 a, u64 b, u64 off) {
 
 /* After a failed mmap over a run: if the kernel unmapped (part of) it, the
  * run as anonymous memory again, its bytes read back from the file (all are
- * there). Can this fail too, the process cannot go on: it ends, the others
- * parked. (A refused mmap, ENOMEM at the limit of mappings, unmaps nothing.) */
-static void restore_run(long fd, const struct fr_region *g) {
-  if (S3(NR_msync, g->start, g->end - g->start, 1 /* MS_ASYNC */) != -ENOMEM) return; /* still mapped */
-  long got = S6(NR_mmap, g->start, g->end - g->start, 3, 0x22 | 0x10 /* PRIVATE | ANONYMOUS | FIXED */, -1, 0);
+ * there); `dropped` (its copies were given back before the mmap: give_back),
+ * those bytes written back whether it is still mapped or not. Can this fail
+ * too, the process cannot go on: it ends, the others parked. (A refused mmap,
+ * ENOMEM at the limit of mappings, unmaps nothing.) */
+static void restore_run(long fd, const struct fr_region *g, int dropped) {
+  long got = (long)g->start;
+  if (S3(NR_msync, g->start, g->end - g->start, 1 /* MS_ASYNC */) != -ENOMEM) { /* still mapped */
+    if (!dropped) return;
+  } else {
+    got = S6(NR_mmap, g->start, g->end - g->start, 3, 0x22 | 0x10 /* PRIVATE | ANONYMOUS | FIXED */, -1, 0);
+  }
   for (u64 p = g->start; got == (long)g->start && p < g->end; p += PAGE)
     if (S4(NR_pread, fd, p, PAGE, g->off + (p - g->start)) != (long)PAGE) got = -1;
   if (got != (long)g->start) S1(NR_exit_group, 70);
@@ -601,7 +607,7 @@ static long remap_parked(struct fr_state *st, char *scratch, long scratch_len, u
     const struct fr_region *g = &st->r[i];
     long got = S6(NR_mmap, g->start, g->end - g->start, 3 /* READ | WRITE */, 2 | 0x10 /* PRIVATE | FIXED */, fd, g->off);
     if (got != (long)g->start) {
-      restore_run(fd, g);
+      restore_run(fd, g, 0);
       st->nr = i;
       break;
     }
@@ -821,14 +827,14 @@ static const struct fr_region *pattern_run(const struct fr_state *st, u64 a) {
 }
 
 /* Maps the pattern over the pages of g (each equal to the pattern's bytes
- * there) and empties g; returns the pages now the pattern's. A failed mmap
- * that unmapped them makes them anonymous memory again with those bytes
- * (restore_run). */
-static long map_pattern(const struct fr_state *st, struct fr_region *g) {
+ * there; `dropped`: their copies given back already) and empties g; returns
+ * the pages now the pattern's. After a failed mmap they hold those bytes
+ * again (restore_run). */
+static long map_pattern(const struct fr_state *st, struct fr_region *g, int dropped) {
   long fd = st->f[st->pfile].fd, n = (long)((g->end - g->start) / PAGE);
   long got = S6(NR_mmap, g->start, g->end - g->start, 3 /* READ | WRITE */, 2 | 0x10 /* PRIVATE | FIXED */, fd, g->off);
   if (got != (long)g->start) {
-    restore_run(fd, g);
+    restore_run(fd, g, dropped);
     n = 0;
   }
   g->start = g->end = g->off = 0;
@@ -848,6 +854,53 @@ static long drop_run(struct fr_region *g) {
   return n;
 }
 
+/* A reclaim's runs, given back together (give_back): one process_madvise
+ * (MADV_DONTNEED) for all of them flushes the TLB once (Linux 6.16 and
+ * later), where a madvise or an mmap over present pages per run flushed once
+ * each; the pattern's mmaps then replace no present entry and flush nothing.
+ * Where the host is itself a VM without nested paging every flush is a trip
+ * to the hypervisor. Kept in the scratch mapping, not on the stack (whose
+ * pages an idle fork would keep). */
+#define BATCH_RUNS 256
+#define PIDFD_SELF (-10000) /* (Linux 6.15; before, EBADF: a run at a time) */
+struct batch {
+  long nd, np;                                   /* runs to drop, runs to map the pattern over */
+  struct fr_region d[BATCH_RUNS], p[BATCH_RUNS];
+  u64 iov[2 * BATCH_RUNS][2];                    /* struct iovec: base, length */
+};
+
+/* Gives back the runs of b and empties it; returns the pages given back. */
+static long give_back(const struct fr_state *st, struct batch *b) {
+  long n = 0, bytes = 0, back = 0;
+  for (long i = 0; i < b->nd + b->np; i++) {
+    const struct fr_region *g = i < b->nd ? &b->d[i] : &b->p[i - b->nd];
+    b->iov[n][0] = g->start;
+    b->iov[n][1] = g->end - g->start;
+    bytes += (long)(g->end - g->start);
+    n++;
+  }
+  /* (refused by an older kernel, or done in part: each drop again on its own; a
+   * pattern's page dropped or not, map_pattern writes its bytes back if its mmap fails) */
+  int all = n > 0 && S6(NR_process_madvise, PIDFD_SELF, b->iov, n, 4 /* MADV_DONTNEED */, 0, 0) == bytes;
+  for (long i = 0; i < b->nd; i++) {
+    if (!all) back += drop_run(&b->d[i]);
+    else back += (long)((b->d[i].end - b->d[i].start) / PAGE);
+  }
+  for (long i = 0; i < b->np; i++) back += map_pattern(st, &b->p[i], 1);
+  b->nd = b->np = 0;
+  return back;
+}
+
+/* Adds the run g to b's list l (nl runs so far) and empties g; b full: given back first. */
+static long queue_run(const struct fr_state *st, struct batch *b, struct fr_region *l, long *nl, struct fr_region *g) {
+  long back = 0;
+  if (!g->end) return 0;
+  if (*nl == BATCH_RUNS) back = give_back(st, b);
+  l[(*nl)++] = *g;
+  g->start = g->end = g->off = 0;
+  return back;
+}
+
 /* With the others parked: drops each page of this process alone (present,
  * anonymous, exclusive, not all zeros) in its private mappings of the files
  * (found again in /proc/self/smaps: memory unmapped and mapped anew since a
@@ -864,11 +917,12 @@ static long reclaim_parked(const struct fr_state *st) {
   u64 me = (u64)ent, tp = thread_pointer();
   for (long i = 0; i < st->nfiles; i++)
     if (S2(NR_fstat, st->f[i].fd, stat) < 0 || stat[0] != st->f[i].dev || stat[1] != st->f[i].ino) return -EBADF;
-  const long len = 32 << 20; /* (touched as far as smaps goes) */
+  const long len = 32 << 20; /* (touched as far as smaps goes, and the batch at its end) */
   long buf = S6(NR_mmap, 0, len, 3, 0x22 /* PRIVATE | ANONYMOUS */, -1, 0);
   if (buf < 0 && buf > -4096) return buf;
   char *smaps = (char *)buf;
-  long back = 0, r = read_proc("/proc/thread-self/smaps", smaps, len);
+  struct batch *bt = (struct batch *)(buf + len - (long)sizeof(struct batch));
+  long back = 0, r = read_proc("/proc/thread-self/smaps", smaps, len - (long)sizeof(struct batch));
   long nmaps = 0;
   struct mapping m;
   for (const char *q = smaps; r > 0 && next_mapping(st, &q, &m, 0, 0);) nmaps++;
@@ -892,7 +946,7 @@ static long reclaim_parked(const struct fr_state *st) {
         if (is_zero(p)) continue; /* (dropped, it would read the file's hole: a page added to the file) */
         if (S4(NR_pread, st->f[k].fd, page, PAGE, m.off + ((u64)p - a)) != (long)PAGE) continue;
         if (same_page(p, (const char *)page)) {
-          if (drop.end != (u64)p) back += drop_run(&drop);
+          if (drop.end != (u64)p) back += queue_run(st, bt, bt->d, &bt->nd, &drop);
           if (!drop.end) drop.start = (u64)p;
           drop.end = (u64)p + PAGE;
           continue;
@@ -906,7 +960,7 @@ static long reclaim_parked(const struct fr_state *st) {
           continue;
         }
         if (pend.end) {
-          back += map_pattern(st, &pend);
+          back += queue_run(st, bt, bt->p, &bt->np, &pend);
           if (--left == 0) continue;
         }
         pend.start = (u64)p;
@@ -915,11 +969,12 @@ static long reclaim_parked(const struct fr_state *st) {
       }
     }
     if (pend.end) { /* (before the next mapping, which may be another file's) */
-      back += map_pattern(st, &pend);
+      back += queue_run(st, bt, bt->p, &bt->np, &pend);
       left--;
     }
-    back += drop_run(&drop);
+    back += queue_run(st, bt, bt->d, &bt->nd, &drop);
   }
+  back += give_back(st, bt); /* (after a failure too: each run queued was checked) */
   if (pm >= 0) S1(NR_close, pm);
   S2(NR_munmap, buf, len);
   return r < 0 ? r : back;

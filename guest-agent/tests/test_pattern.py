@@ -57,6 +57,19 @@ def inode(at):
     return int(tr.maps_entry(at)[4])
 
 
+def refuse_mmaps_of(fd):
+    """From now on, in this thread: an mmap of fd fails with ENOMEM, as one past the limit of
+    mappings would (a seccomp filter: nr, then the low half of args[4])."""
+    ld, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|BPF_W|BPF_ABS, BPF_JMP|BPF_JEQ|BPF_K, BPF_RET|BPF_K
+    prog = ((ld, 0, 0, 0), (jeq, 0, 3, 9), (ld, 0, 0, 16 + 4 * 8), (jeq, 0, 1, fd),
+            (ret, 0, 0, 0x00050000 | errno.ENOMEM), (ret, 0, 0, 0x7fff0000))
+    filt = b''.join(code.to_bytes(2, 'little') + bytes((jt, jf)) + k.to_bytes(4, 'little') for code, jt, jf, k in prog)
+    buf = ctypes.create_string_buffer(filt, len(filt))
+    fprog = len(prog).to_bytes(8, 'little') + ctypes.addressof(buf).to_bytes(8, 'little')  # (u16 len, padding, pointer)
+    if tr.LIBC.prctl(38, 1, 0, 0, 0) != 0 or tr.LIBC.syscall(317, 1, 0, ctypes.c_char_p(fprog)) != 0:  # NO_NEW_PRIVS, seccomp
+        raise OSError(ctypes.get_errno(), 'seccomp')
+
+
 class Scenario:
     """Runs in a process of its own (the remaps change it for good)."""
 
@@ -171,6 +184,23 @@ class Scenario:
         seen['written_after'] = ctypes.string_at(self.page(0), 1)[0]
         return seen
 
+    def fork_refused(self):
+        """In a fork: writes the pattern's bytes as fork_that_writes does, then reclaims with every
+        mmap of the pattern refused: the pages it had given back already hold their bytes again."""
+        lib, st = self.lib, self.st
+        for i, byte in ((0, 0x41), (1, 0x42), (2, 0x21), (3, 0x43), (4, 0x44)):
+            self.fill(i, byte)
+        pattern_fd = lib.fr_fd(st, lib.fr_pattern(st))
+        pattern_ino = os.fstat(pattern_fd).st_ino
+        refuse_mmaps_of(pattern_fd)
+        n = lib.fr_reclaim(st, 2000)
+        return {
+            'given': n,
+            'pattern': [inode(self.page(i)) == pattern_ino for i in range(5)],
+            'file_page': [tr.file_page(self.page(i)) for i in range(5)],
+            'whole': all(ctypes.string_at(self.page(i), PAGE) == bytes((b,)) * PAGE for i, b in enumerate((0x41, 0x42, 0x21, 0x43, 0x44))),
+        }
+
     def prefaulted(self):
         """In a fork: fr_prefault copies the pages the pattern child wrote (0, 1, 3, 4, 5, 6 of the
         region, the buffers), the bytes the template's, and no other."""
@@ -199,6 +229,7 @@ class Scenario:
         report['prefault'] = tr.in_fork(self.prefaulted)
         status, report['fork'] = tr.in_fork(lambda: self.fork_that_writes(True))
         status2, report['sibling'] = tr.in_fork(lambda: self.fork_that_writes(False))
+        report['mmap_refused'] = tr.in_fork(self.fork_refused)
         report['status'] = (status, status2)
         report['here'] = [ctypes.string_at(self.page(i), 1)[0] for i in range(5)]
         return report
@@ -248,6 +279,13 @@ class PatternTest(unittest.TestCase):
         self.assertEqual(s['bytes'], [0x41, 0x99, 0x21, 0x43, 0x44], r)
         self.assertTrue(s['whole'], r)
         self.assertEqual(r['here'], [0x21] * 5, 'the process that took the pattern kept its own bytes')
+        # every mmap of the pattern refused (as at the limit of mappings), after its pages were
+        # given back (one process_madvise for the whole reclaim): each holds its bytes again, its
+        # own copy; page 2, the template's bytes, is given back all the same
+        status, x = r['mmap_refused']
+        self.assertEqual(status, 0, x)
+        self.assertEqual((x['pattern'], x['file_page'], x['whole']), ([False] * 5, [False, False, True, False, False], True), r)
+        self.assertGreaterEqual(x['given'], 1, r)
 
 
 if __name__ == '__main__':

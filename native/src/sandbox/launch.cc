@@ -421,10 +421,10 @@ const uint32_t kDenied[] = {
     321, 298,                 // bpf, perf_event_open
     250, 248, 249,            // keyctl, add_key, request_key
     101, 310, 311,            // ptrace, process_vm_readv, process_vm_writev
-    // pidfd_getfd, kcmp, process_madvise, process_mrelease: another process's fds and memory
-    // (a fork holds a pidfd of its fork server; root in the shared user namespace passes the
-    // ptrace check these make)
-    438, 312, 440, 448,
+    // pidfd_getfd, kcmp, process_mrelease: another process's fds and memory (a fork holds a
+    // pidfd of its fork server; root in the shared user namespace passes the ptrace check these
+    // make); process_madvise too, but for the sandbox itself (below)
+    438, 312, 448,
     167, 168, 169, 163,       // swapon, swapoff, reboot, acct
     164, 227, 305, 159,       // settimeofday, clock_settime, clock_adjtime, adjtimex
     172, 173, 103,            // iopl, ioperm, syslog
@@ -466,6 +466,15 @@ std::vector<sock_filter> BuildFilter() {
     f.push_back(Jump(BPF_JMP | BPF_JSET | BPF_K, CLONE_NEWUSER | CLONE_NEWCGROUP, 0, 1));
     f.push_back(Stmt(BPF_RET | BPF_K, kEperm));
   }
+  // process_madvise (440): only on itself (PIDFD_SELF_THREAD, PIDFD_SELF_THREAD_GROUP: the
+  // low half of arg 0, the int the kernel reads), which madvise allows anyway: an idle fork gives
+  // back many runs in one call and one TLB flush (forkling_reclaim.c), never another's memory.
+  f.push_back(Stmt(BPF_LD | BPF_W | BPF_ABS, kNr));
+  f.push_back(Jump(BPF_JMP | BPF_JEQ | BPF_K, 440, 0, 4));
+  f.push_back(Stmt(BPF_LD | BPF_W | BPF_ABS, kArg0));
+  f.push_back(Jump(BPF_JMP | BPF_JEQ | BPF_K, static_cast<uint32_t>(-10000), 2, 0));
+  f.push_back(Jump(BPF_JMP | BPF_JEQ | BPF_K, static_cast<uint32_t>(-20000), 1, 0));
+  f.push_back(Stmt(BPF_RET | BPF_K, kEperm));
   // setns (308): only into a pid namespace (the fork of N children resets
   // its pid namespace for children this way); nothing else.
   f.push_back(Stmt(BPF_LD | BPF_W | BPF_ABS, kNr));
