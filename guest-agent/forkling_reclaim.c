@@ -869,11 +869,17 @@ struct batch {
   u64 iov[2 * BATCH_RUNS][2];                    /* struct iovec: base, length */
 };
 
-/* Gives back the runs of b and empties it; returns the pages given back. */
+/* Gives back the runs of b and empties it; returns the pages given back.
+ * The pattern's runs first: a drop run the kernel refuses (a locked mapping,
+ * say) ends the call there, and those after it are dropped a run at a time.
+ * A pattern run's pages are dropped before its mmap, so a refused mmap must
+ * write them back (restore_run), taking memory again; one that cannot (its
+ * cgroup full meanwhile) ends the process, as before when the kernel had
+ * unmapped the run. */
 static long give_back(const struct fr_state *st, struct batch *b) {
   long n = 0, bytes = 0, back = 0;
   for (long i = 0; i < b->nd + b->np; i++) {
-    const struct fr_region *g = i < b->nd ? &b->d[i] : &b->p[i - b->nd];
+    const struct fr_region *g = i < b->np ? &b->p[i] : &b->d[i - b->np];
     b->iov[n][0] = g->start;
     b->iov[n][1] = g->end - g->start;
     bytes += (long)(g->end - g->start);
