@@ -827,14 +827,14 @@ static const struct fr_region *pattern_run(const struct fr_state *st, u64 a) {
 }
 
 /* Maps the pattern over the pages of g (each equal to the pattern's bytes
- * there; `dropped`: their copies given back already) and empties g; returns
- * the pages now the pattern's. After a failed mmap they hold those bytes
- * again (restore_run). */
-static long map_pattern(const struct fr_state *st, struct fr_region *g, int dropped) {
+ * there; their copies may have been given back already: give_back) and
+ * empties g; returns the pages now the pattern's. After a failed mmap they
+ * hold those bytes again (restore_run). */
+static long map_pattern(const struct fr_state *st, struct fr_region *g) {
   long fd = st->f[st->pfile].fd, n = (long)((g->end - g->start) / PAGE);
   long got = S6(NR_mmap, g->start, g->end - g->start, 3 /* READ | WRITE */, 2 | 0x10 /* PRIVATE | FIXED */, fd, g->off);
   if (got != (long)g->start) {
-    restore_run(fd, g, dropped);
+    restore_run(fd, g, 1);
     n = 0;
   }
   g->start = g->end = g->off = 0;
@@ -892,7 +892,7 @@ static long give_back(const struct fr_state *st, struct batch *b) {
     if (!all) back += drop_run(&b->d[i]);
     else back += (long)((b->d[i].end - b->d[i].start) / PAGE);
   }
-  for (long i = 0; i < b->np; i++) back += map_pattern(st, &b->p[i], 1);
+  for (long i = 0; i < b->np; i++) back += map_pattern(st, &b->p[i]);
   b->nd = b->np = 0;
   return back;
 }

@@ -194,8 +194,7 @@ export class KvmEngine implements Engine {
     this.checkOpen();
     const { info, snapshot } = await this.loaded(template);
     const children = await this.track(await startChildren(snapshot, n, { prefix: 'vm', readyTimeoutMs: this.opts.childReadyTimeoutMs }));
-    const idleMs = this.idleMs;
-    if (idleMs > 0 && this.opts.pattern !== false) this.patterns.attach(template, info.createdAt, snapshot, children, idleMs);
+    if (this.idleMs > 0 && this.opts.pattern !== false) this.patterns.attach(template, info.createdAt, snapshot, children, this.idleMs);
     return children;
   }
 
