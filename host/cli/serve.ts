@@ -159,16 +159,8 @@ export async function serveCommand(argv: string[]): Promise<number> {
       code === 'EADDRINUSE' ? 'another process uses that port: pick another with --listen' : undefined,
     );
   }
-  process.stdout.write(`listening ${addr.url}\n`);
-  log(
-    `engine ${engine.name}; auth ${auth ? 'bearer token' : 'none (loopback only)'}; ` +
-      `max ${maxSandboxes} sandboxes; default timeout ${defaultTimeoutMs} ms` +
-      (engine.name === 'process' ? `; ${spares ?? `$FORKLING_PROCESS_SPARES (${sparesEnv})`} spare forks per template` : '') +
-      (engine.name === 'process' && sleepAfterMs !== undefined ? '; --sleep-after-ms is for the kvm engine: ignored' : '') +
-      (engine.name === 'kvm' ? `; idle sandboxes sleep after ${sleepAfterMs ?? defaultReclaimIdleMs()} ms (0: never)` : ''),
-  );
-
-  await new Promise<void>((resolve) => {
+  // Handlers before `listening`: a SIGTERM sent as soon as that line is read drains, not kills.
+  const stopped = new Promise<void>((resolve) => {
     let stopping = false;
     const stop = (sig: string) => {
       if (stopping) {
@@ -188,6 +180,16 @@ export async function serveCommand(argv: string[]): Promise<number> {
     process.on('SIGTERM', () => stop('SIGTERM'));
     process.on('SIGINT', () => stop('SIGINT'));
   });
+  process.stdout.write(`listening ${addr.url}\n`);
+  log(
+    `engine ${engine.name}; auth ${auth ? 'bearer token' : 'none (loopback only)'}; ` +
+      `max ${maxSandboxes} sandboxes; default timeout ${defaultTimeoutMs} ms` +
+      (engine.name === 'process' ? `; ${spares ?? `$FORKLING_PROCESS_SPARES (${sparesEnv})`} spare forks per template` : '') +
+      (engine.name === 'process' && sleepAfterMs !== undefined ? '; --sleep-after-ms is for the kvm engine: ignored' : '') +
+      (engine.name === 'kvm' ? `; idle sandboxes sleep after ${sleepAfterMs ?? defaultReclaimIdleMs()} ms (0: never)` : ''),
+  );
+
+  await stopped;
   log('stopped');
   return 0;
 }

@@ -6,7 +6,7 @@
 // test helper engine of plain agent processes (server-agent-engine.ts).
 import { type ChildProcess, spawn } from 'node:child_process';
 import { existsSync, mkdtempSync, readFileSync, writeFileSync } from 'node:fs';
-import { tmpdir } from 'node:os';
+import { constants, tmpdir } from 'node:os';
 import { join } from 'node:path';
 import WebSocket from 'ws';
 import { decodeFrame, encodeFrame } from '../../protocol/codec.ts';
@@ -25,7 +25,7 @@ export interface Served {
   mode: 'cli' | 'inproc';
   /** stderr of the CLI process (empty in-process). */
   log: string[];
-  /** SIGTERM (CLI) or shutdown (in-process); resolves with the exit code. */
+  /** SIGTERM (CLI) or shutdown (in-process); resolves with the exit code (128 + the signal's number if one killed it). */
   stop(): Promise<number>;
   /** The CLI process, when there is one. */
   proc: ChildProcess | null;
@@ -86,7 +86,7 @@ async function serveCli(opts: ServeOptions): Promise<Served> {
   const proc = spawn(process.execPath, argv, { cwd: ROOT, stdio: ['ignore', 'pipe', 'pipe'] });
   const log: string[] = [];
   proc.stderr?.on('data', (d: Buffer) => log.push(d.toString()));
-  const exited = new Promise<number>((resolve) => proc.once('exit', (code, sig) => resolve(code ?? (sig ? 128 : 1))));
+  const exited = new Promise<number>((resolve) => proc.once('exit', (code, sig) => resolve(code ?? 128 + (sig ? constants.signals[sig] : 0))));
   const url = await new Promise<string>((resolve, reject) => {
     let out = '';
     const onData = (d: Buffer) => {
