@@ -157,11 +157,13 @@ export async function forkCommand(argv: string[]): Promise<number> {
     if (values.json) console.log(JSON.stringify(rep, null, 2));
     else printTable(rep);
     if (values.keep) {
-      console.error(`forkling: ${n} children running; Ctrl-C ends them`);
-      await new Promise<void>((resolve) => {
+      // (handlers before the line: a signal sent as soon as it is read ends them, not the process)
+      const ended = new Promise<void>((resolve) => {
         process.once('SIGINT', resolve);
         process.once('SIGTERM', resolve);
       });
+      console.error(`forkling: ${n} children running; Ctrl-C ends them`);
+      await ended;
     }
     return results.every((r) => r.ok) ? 0 : 1;
   } finally {

@@ -119,7 +119,7 @@ test('fork --keep: the children run until Ctrl-C, then the command ends them and
   let out = '';
   let err = '';
   p.stdout.on('data', (d) => (out += d));
-  // (a signal's name where it was one: CI once saw it end with no exit code after the Ctrl-C)
+  // (a signal's name where it was one: CI once saw it killed by the Ctrl-C, sent before fork.ts set its handlers, which then came after the line)
   const exited = new Promise<number | string | null>((resolve) => p.on('exit', (code, signal) => resolve(code ?? signal)));
   try {
     await new Promise<void>((resolve, reject) => {
