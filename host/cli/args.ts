@@ -27,3 +27,12 @@ export function parseSubcommand<O extends ParseArgsOptions>(command: string, arg
   }
   return r;
 }
+
+/** An integer option (`--name <n>`): `dflt` when absent, else a whole number ≥ `min`, or a UserError with `hint`. */
+export function intOption(name: string, v: string | undefined, dflt: number, min: number, hint: string): number {
+  if (v === undefined) return dflt;
+  if (!/^\d+$/.test(v) || Number(v) < min || !Number.isSafeInteger(Number(v))) {
+    throw new UserError(`--${name} must be an integer ≥ ${min}, got ${JSON.stringify(v)}`, hint);
+  }
+  return Number(v);
+}

@@ -41,6 +41,11 @@ const COMMANDS: Record<string, Entry> = {
     summary: 'the WebSocket + REST service for SDKs and agent frameworks',
     load: async () => (await import('./serve.ts')).serveCommand,
   },
+  mcp: {
+    usage: 'mcp [--engine e] [--max-sandboxes n]',
+    summary: 'an MCP server on stdio: sandbox tools for agent clients',
+    load: async () => (await import('./mcp.ts')).mcpCommand,
+  },
 };
 
 function help(): string {

@@ -13,7 +13,7 @@ import { DEFAULT_LISTEN, isLoopback, parseListen } from '../server/listen.ts';
 import { SandboxManager } from '../server/manager.ts';
 import { ForklingServer } from '../server/server.ts';
 import { ServerMetrics } from '../server/telemetry.ts';
-import { parseCommandLine } from './args.ts';
+import { intOption, parseCommandLine } from './args.ts';
 
 /** Spare forks per template for the process engine (a new sandbox answers its first eval in ~5 ms instead of ~10 here: README). */
 const DEFAULT_SPARES = 4;
@@ -47,13 +47,7 @@ const USAGE = `usage: forkling serve [options]
 
 Prints \`listening <url>\` as its first line on stdout. SIGTERM or SIGINT drains and kills every sandbox.`;
 
-function positiveInt(name: string, v: string | undefined, dflt: number, min = 1): number {
-  if (v === undefined) return dflt;
-  if (!/^\d+$/.test(v) || Number(v) < min || !Number.isSafeInteger(Number(v))) {
-    throw new UserError(`--${name} must be an integer ≥ ${min}, got ${JSON.stringify(v)}`, USAGE.split('\n')[0]);
-  }
-  return Number(v);
-}
+const positiveInt = (name: string, v: string | undefined, dflt: number, min = 1) => intOption(name, v, dflt, min, USAGE.split('\n')[0] as string);
 
 export async function serveCommand(argv: string[]): Promise<number> {
   const { values }: { values: Record<string, string | boolean | undefined> } = parseCommandLine(

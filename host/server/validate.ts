@@ -8,7 +8,8 @@ import { ROUTED_OPS, SERVER_OPS, SandboxIdSchema } from '../../protocol/server-o
 
 export type Check = (value: unknown) => string | null;
 
-function compile(what: string, schema: TSchema): Check {
+/** A compiled check of `schema`: null, or the first thing wrong, naming `what` and the field. */
+export function compileCheck(what: string, schema: TSchema): Check {
   const c: TypeCheck<TSchema> = TypeCompiler.Compile(schema);
   return (value) => {
     if (c.Check(value)) return null;
@@ -18,19 +19,19 @@ function compile(what: string, schema: TSchema): Check {
   };
 }
 
-export const checkRequestFrame = compile('request frame', RequestFrame);
-export const checkEventFrame = compile('event frame', EventFrame);
-export const checkCancelFrame = compile('cancel frame', CancelFrame);
-export const checkSandboxId = compile('sandbox', SandboxIdSchema);
+export const checkRequestFrame = compileCheck('request frame', RequestFrame);
+export const checkEventFrame = compileCheck('event frame', EventFrame);
+export const checkCancelFrame = compileCheck('cancel frame', CancelFrame);
+export const checkSandboxId = compileCheck('sandbox', SandboxIdSchema);
 
 export const serverArgs = new Map<string, Check>(
-  Object.entries(SERVER_OPS).map(([name, def]) => [name, compile(name, def.args)]),
+  Object.entries(SERVER_OPS).map(([name, def]) => [name, compileCheck(name, def.args)]),
 );
 export const routedArgs = new Map<string, Check>(
-  ROUTED_OPS.map((name) => [name, compile(name, OPS[name].args)]),
+  ROUTED_OPS.map((name) => [name, compileCheck(name, OPS[name].args)]),
 );
 export const clientEventArgs = new Map<string, Check>(
-  Object.entries(ClientEvents).map(([name, schema]) => [name, compile(`event ${name}`, schema)]),
+  Object.entries(ClientEvents).map(([name, schema]) => [name, compileCheck(`event ${name}`, schema)]),
 );
 
 /** Ops whose requests take client events (streamed stdin, file data). */

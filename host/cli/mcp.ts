@@ -1,0 +1,96 @@
+// `forkling mcp`: a Model Context Protocol server on stdin/stdout, for agent
+// clients that start their tools as processes. Its sandboxes live in this
+// process (the same engine and SandboxManager as `forkling serve`) and end
+// with it: when the client closes stdin, or on SIGTERM/SIGINT. stdout carries
+// only protocol messages; logs go to stderr.
+import { readFileSync } from 'node:fs';
+import { MAX_TIMEOUT_MS } from '../../protocol/server-ops.ts';
+import { openEngine } from '../engine/select.ts';
+import { UserError } from '../errors.ts';
+import { MAX_LINE_BYTES, McpServer } from '../mcp/server.ts';
+import { SandboxManager } from '../server/manager.ts';
+import { intOption, parseCommandLine } from './args.ts';
+
+const USAGE = `usage: forkling mcp [options]
+  --engine kvm|process|auto sandbox engine (default auto, or $FORKLING_ENGINE)
+  --max-sandboxes <n>       most live sandboxes (default 32)
+  --default-timeout-ms <n>  a sandbox's lifetime when the model sets none (default 3600000 = 1 hour)
+Speaks MCP (JSON-RPC 2.0, one message a line) on stdin/stdout; its tools make
+sandboxes and run Python, commands and file transfers in them. Every sandbox
+ends when stdin closes or on SIGTERM/SIGINT. E.g. for a client's config:
+  {"command": "forkling", "args": ["mcp"]}`;
+
+export async function mcpCommand(argv: string[]): Promise<number> {
+  const { values } = parseCommandLine(
+    {
+      args: argv,
+      options: {
+        engine: { type: 'string' },
+        'max-sandboxes': { type: 'string' },
+        'default-timeout-ms': { type: 'string' },
+        help: { type: 'boolean', short: 'h' },
+      },
+    },
+    'run `forkling mcp --help` for the options',
+  );
+  if (values.help) {
+    console.log(USAGE);
+    return 0;
+  }
+  const hint = USAGE.split('\n')[0] as string;
+  const maxSandboxes = intOption('max-sandboxes', values['max-sandboxes'], 32, 1, hint);
+  const defaultTimeoutMs = intOption('default-timeout-ms', values['default-timeout-ms'], 3_600_000, 1, hint);
+  if (defaultTimeoutMs > MAX_TIMEOUT_MS) throw new UserError(`--default-timeout-ms ${defaultTimeoutMs} is more than 7 days`, `give at most ${MAX_TIMEOUT_MS}`);
+
+  const log = (line: string) => process.stderr.write(`forkling mcp: ${line.replace(/^forkling: /, '')}\n`);
+  const engine = await openEngine(values.engine, { log });
+  const manager = new SandboxManager({ engine, maxSandboxes, defaultTimeoutMs, maxTimeoutMs: MAX_TIMEOUT_MS, log });
+  const pkg = JSON.parse(readFileSync(new URL('../../package.json', import.meta.url), 'utf8')) as { version: string };
+  const server = new McpServer({ manager, version: pkg.version, log, send: (line) => process.stdout.write(`${line}\n`) });
+
+  await new Promise<void>((resolve) => {
+    const end = (why: string) => {
+      log(`${why}: killing ${manager.size} sandboxes`);
+      resolve();
+    };
+    process.stdout.on('error', () => end('stdout closed')); // (the client went away: EPIPE)
+    process.once('SIGTERM', () => end('SIGTERM'));
+    process.once('SIGINT', () => end('SIGINT'));
+    readLines(process.stdin, (line) => server.take(line), () => server.tooLong(), () => end('stdin closed'));
+    log(`ready (engine ${engine.name}; max ${maxSandboxes} sandboxes, each ${defaultTimeoutMs} ms unless the model says otherwise)`);
+  });
+  // (together: an engine closed ends a fork still being made, so its call answers at once)
+  await Promise.all([server.close(), manager.close()]);
+  return 0;
+}
+
+/**
+ * Calls `line` for each line of `input`; a line longer than MAX_LINE_BYTES is
+ * skipped whole (never buffered) and reported through `tooLong`.
+ */
+function readLines(input: NodeJS.ReadableStream, line: (l: string) => void, tooLong: () => void, end: () => void): void {
+  let parts: Buffer[] = [];
+  let size = 0;
+  let skipping = false;
+  input.on('data', (chunk: Buffer) => {
+    for (let at = 0; at < chunk.length; ) {
+      const nl = chunk.indexOf(0x0a, at);
+      const piece = chunk.subarray(at, nl < 0 ? chunk.length : nl);
+      at = nl < 0 ? chunk.length : nl + 1;
+      if (!skipping) {
+        size += piece.length;
+        if (size > MAX_LINE_BYTES) {
+          skipping = true;
+          parts = [];
+        } else parts.push(piece);
+      }
+      if (nl < 0) continue;
+      if (skipping) tooLong();
+      else line(Buffer.concat(parts).toString('utf8'));
+      parts = [];
+      size = 0;
+      skipping = false;
+    }
+  });
+  input.on('end', end);
+}

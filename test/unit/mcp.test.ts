@@ -1,0 +1,253 @@
+// `forkling mcp`: the MCP server on stdio, spoken to as a client does (JSON-RPC
+// 2.0, a message a line), with real sandboxes of the process engine.
+import { type ChildProcessWithoutNullStreams, spawn } from 'node:child_process';
+import { test } from 'uvu';
+import * as assert from 'uvu/assert';
+import { MCP_VERSIONS } from '../../host/mcp/server.ts';
+import { MAX_OUTPUT_CHARS } from '../../host/mcp/tools.ts';
+
+// biome-ignore lint/suspicious/noExplicitAny: JSON answers, read field by field by the asserts
+type Msg = Record<string, any>;
+
+class Client {
+  readonly p: ChildProcessWithoutNullStreams;
+  readonly stderr: string[] = [];
+  private buf = '';
+  private nextId = 1;
+  private readonly waiting = new Map<number | string | null, (m: Msg) => void>();
+  readonly exited: Promise<number | string | null>;
+
+  constructor(args: string[] = []) {
+    this.p = spawn(process.execPath, ['bin/forkling.mjs', 'mcp', '--engine', 'process', ...args], { stdio: ['pipe', 'pipe', 'pipe'] });
+    this.exited = new Promise((r) => this.p.on('exit', (code, sig) => r(code ?? sig)));
+    this.p.stderr.on('data', (d) => this.stderr.push(String(d)));
+    this.p.stdout.on('data', (d) => {
+      this.buf += d;
+      for (let nl = this.buf.indexOf('\n'); nl >= 0; nl = this.buf.indexOf('\n')) {
+        const m = JSON.parse(this.buf.slice(0, nl)) as Msg;
+        this.buf = this.buf.slice(nl + 1);
+        const w = this.waiting.get(m.id);
+        assert.ok(w, `an answer nobody asked for: ${JSON.stringify(m)}`);
+        this.waiting.delete(m.id);
+        w(m);
+      }
+    });
+  }
+
+  /** Sends a raw line; resolves with the answer carrying `id`. */
+  raw(line: string, id: number | string | null): Promise<Msg> {
+    const answer = new Promise<Msg>((r) => this.waiting.set(id, r));
+    this.p.stdin.write(`${line}\n`);
+    return answer;
+  }
+
+  request(method: string, params?: unknown): Promise<Msg> {
+    return this.start(method, params).answer;
+  }
+
+  /** A request and its id (to cancel it). */
+  start(method: string, params?: unknown): { id: number; answer: Promise<Msg> } {
+    const id = this.nextId++;
+    return { id, answer: this.raw(JSON.stringify({ jsonrpc: '2.0', id, method, ...(params !== undefined ? { params } : {}) }), id) };
+  }
+
+  notify(method: string, params?: unknown): void {
+    this.p.stdin.write(`${JSON.stringify({ jsonrpc: '2.0', method, ...(params !== undefined ? { params } : {}) })}\n`);
+  }
+
+  /** tools/call: the tool's result (content, structuredContent, isError). */
+  async call(name: string, args: unknown = {}): Promise<Msg> {
+    const m = await this.request('tools/call', { name, arguments: args });
+    assert.ok(m.result, `${name}: ${JSON.stringify(m)}`);
+    return m.result;
+  }
+
+  /** A call that must succeed: its structured result (and its text is the same JSON). */
+  async ok(name: string, args: unknown = {}): Promise<Msg> {
+    const r = await this.call(name, args);
+    assert.not.ok(r.isError, `${name}: ${r.content?.[0]?.text}`);
+    assert.equal(JSON.parse(r.content[0].text), r.structuredContent);
+    return r.structuredContent;
+  }
+
+  /** A call that must fail as a tool error the model reads: its text. */
+  async fails(name: string, args: unknown = {}): Promise<string> {
+    const r = await this.call(name, args);
+    assert.is(r.isError, true, `${name} succeeded: ${JSON.stringify(r)}`);
+    return r.content[0].text as string;
+  }
+
+  async init(version = '2025-06-18'): Promise<Msg> {
+    const m = await this.request('initialize', { protocolVersion: version, capabilities: {}, clientInfo: { name: 'test', version: '0' } });
+    this.notify('notifications/initialized');
+    return m;
+  }
+
+  async end(): Promise<number | string | null> {
+    this.p.stdin.end();
+    return this.exited;
+  }
+}
+
+test('initialize, ping, tools/list: versions, capabilities and each tool with its argument schema', async () => {
+  const c = new Client();
+  try {
+    const init = await c.init();
+    assert.is(init.result.protocolVersion, '2025-06-18');
+    assert.equal(init.result.capabilities, { tools: { listChanged: false } });
+    assert.is(init.result.serverInfo.name, 'forkling');
+    assert.match(init.result.instructions, /sandbox_create/);
+    // A revision it does not know: it answers with its newest.
+    assert.is((await c.request('initialize', { protocolVersion: '1999-01-01', capabilities: {} })).result.protocolVersion, MCP_VERSIONS[0]);
+    assert.equal((await c.request('ping')).result, {});
+    const tools = (await c.request('tools/list')).result.tools as Msg[];
+    assert.equal(tools.map((t) => t.name).sort(), [
+      'eval',
+      'exec',
+      'files_read',
+      'files_write',
+      'sandbox_branch',
+      'sandbox_create',
+      'sandbox_fork',
+      'sandbox_kill',
+      'sandbox_list',
+    ]);
+    for (const t of tools) {
+      assert.is(t.inputSchema.type, 'object', t.name);
+      assert.is(t.inputSchema.additionalProperties, false, t.name);
+      assert.ok(t.description.length > 20, t.name);
+    }
+    assert.equal(tools.find((t) => t.name === 'eval')!.inputSchema.required.sort(), ['code', 'sandbox']);
+  } finally {
+    assert.is(await c.end(), 0, c.stderr.join(''));
+  }
+});
+
+test('what is not a valid call is a JSON-RPC error; a tool\'s own failure is a result with isError', async () => {
+  const c = new Client();
+  try {
+    await c.init();
+    assert.is((await c.raw('{"jsonrpc": "2.0", "id": 7, ', null)).error.code, -32700);
+    assert.is((await c.raw('[{"jsonrpc": "2.0", "id": 8, "method": "ping"}]', null)).error.code, -32600);
+    assert.is((await c.raw('{"id": 9, "method": "ping"}', 9)).error.code, -32600);
+    const unknown = await c.request('resources/list');
+    assert.is(unknown.error.code, -32601);
+    assert.match(unknown.error.message, 'tools/call');
+    const noTool = await c.request('tools/call', { name: 'rm_rf', arguments: {} });
+    assert.is(noTool.error.code, -32602);
+    assert.match(noTool.error.message, 'no tool "rm_rf"');
+    // Arguments: a missing, a misnamed and a mistyped one, each named for the model.
+    assert.match(await c.fails('eval', { sandbox: 'x' }), /bad arguments: eval: .*code/);
+    assert.match(await c.fails('sandbox_create', { timeout: 5 }), /bad arguments: sandbox_create: \/timeout/);
+    assert.match(await c.fails('sandbox_fork', { n: 0 }), /bad arguments: sandbox_fork: \/n/);
+    assert.match(await c.fails('sandbox_create', { template: '../etc' }), /bad arguments: sandbox_create: \/template/);
+    assert.match(await c.fails('eval', { sandbox: 'nope', code: '1' }), /^not_found: no sandbox "nope"/);
+    assert.match(await c.fails('sandbox_create', { template: 'no-such-template' }), /no-such-template/);
+    // The server still answers.
+    assert.equal((await c.request('ping')).result, {});
+  } finally {
+    assert.is(await c.end(), 0, c.stderr.join(''));
+  }
+});
+
+test('a sandbox: Python state kept between evals, commands, files both ways, branch, kill', async () => {
+  const c = new Client();
+  try {
+    await c.init();
+    const { sandbox } = await c.ok('sandbox_create');
+    assert.is(sandbox.template, 'default');
+    assert.is(sandbox.expiresAt - sandbox.createdAt, 3_600_000, 'an hour unless the model says otherwise');
+    const id = sandbox.id as string;
+    await c.ok('eval', { sandbox: id, code: 'x = 41' });
+    const v = await c.ok('eval', { sandbox: id, code: 'print("hi")\nx + 1' });
+    assert.is(v.value, 42);
+    assert.is(v.repr, '42');
+    assert.is(v.stdout, 'hi\n');
+    const ex = await c.ok('eval', { sandbox: id, code: '1 / 0' });
+    assert.is(ex.exception.type, 'ZeroDivisionError');
+    assert.match(ex.exception.traceback, 'ZeroDivisionError');
+    const slow = await c.ok('eval', { sandbox: id, code: 'while True: pass', timeoutMs: 300 });
+    assert.is(slow.timedOut, true);
+
+    const sh = await c.ok('exec', { sandbox: id, command: 'echo out; echo err >&2; pwd; exit 3', cwd: '/tmp' });
+    assert.equal([sh.exitCode, sh.stdout, sh.stderr, sh.timedOut], [3, 'out\n/tmp\n', 'err\n', false]);
+
+    // Files: text, bytes that are not UTF-8 (base64 both ways), slices, append.
+    assert.equal(await c.ok('files_write', { sandbox: id, path: '/tmp/d/a.txt', content: 'héllo\n' }), { path: '/tmp/d/a.txt', size: 7 });
+    await c.ok('files_write', { sandbox: id, path: '/tmp/d/a.txt', content: 'more\n', append: true });
+    const t = await c.ok('files_read', { sandbox: id, path: '/tmp/d/a.txt' });
+    assert.equal([t.encoding, t.content, t.fileSize], ['utf8', 'héllo\nmore\n', 12]);
+    const bin = Buffer.from([0xff, 0x00, 0xfe, 0x41]);
+    await c.ok('files_write', { sandbox: id, path: '/tmp/b.bin', content: bin.toString('base64'), encoding: 'base64' });
+    const b = await c.ok('files_read', { sandbox: id, path: '/tmp/b.bin' });
+    assert.equal([b.encoding, b.content], ['base64', bin.toString('base64')]);
+    const part = await c.ok('files_read', { sandbox: id, path: '/tmp/d/a.txt', offset: 8, length: 2 });
+    assert.equal([part.content, part.bytes], ['or', 2]);
+    assert.match(part.more, 'read again from offset 10');
+    assert.match(await c.fails('files_write', { sandbox: id, path: '/tmp/x', content: 'not base64!', encoding: 'base64' }), /content is not base64/);
+    assert.match(await c.fails('files_read', { sandbox: id, path: '/tmp/none' }), /^not_found: /);
+    const seen = await c.ok('eval', { sandbox: id, code: 'open("/tmp/d/a.txt").read()' });
+    assert.is(seen.value, 'héllo\nmore\n');
+
+    // Branch: the copies start from x = 41 and go their own ways; the source goes on.
+    const { sandboxes } = await c.ok('sandbox_branch', { sandbox: id, n: 2 });
+    assert.is(sandboxes.length, 2);
+    const [k1, k2] = sandboxes.map((s: Msg) => s.id as string);
+    assert.is(sandboxes[0].parent, id);
+    await c.ok('eval', { sandbox: k1, code: 'x = "one"' });
+    assert.is((await c.ok('eval', { sandbox: k2, code: 'x' })).value, 41);
+    assert.is((await c.ok('eval', { sandbox: k1, code: 'x' })).value, 'one');
+    assert.is((await c.ok('eval', { sandbox: id, code: 'x' })).value, 41);
+    const listed = (await c.ok('sandbox_list')).sandboxes.map((s: Msg) => s.id).sort();
+    assert.equal(listed, [id, k1, k2].sort());
+
+    assert.equal(await c.ok('sandbox_kill', { sandbox: k1 }), { killed: true });
+    assert.match(await c.fails('eval', { sandbox: k1, code: '1' }), /^sandbox_ended: /);
+    assert.is((await c.ok('eval', { sandbox: k2, code: 'x' })).value, 41, 'its sibling lives on');
+  } finally {
+    assert.is(await c.end(), 0, c.stderr.join(''));
+  }
+  assert.match(c.stderr.join(''), /stdin closed: killing 2 sandboxes/);
+});
+
+test('long output is cut to a head and a tail; a cancelled call ends at once and the sandbox goes on', async () => {
+  const c = new Client();
+  try {
+    await c.init();
+    const id = (await c.ok('sandbox_create')).sandbox.id as string;
+    const r = await c.ok('eval', { sandbox: id, code: 'print("A" * 300000 + "END")' });
+    assert.ok(r.stdout.length < MAX_OUTPUT_CHARS + 100, `${r.stdout.length} characters`);
+    assert.match(r.stdout, /^A+\n\[\.\.\. \d+ characters cut \.\.\.\]\nA+END\n$/);
+    const sh = await c.ok('exec', { sandbox: id, command: 'head -c 500000 /dev/zero | tr "\\0" b' });
+    assert.ok(sh.stdout.length < MAX_OUTPUT_CHARS + 100);
+
+    const t0 = performance.now();
+    const code = 'import time\nopen("/tmp/asleep", "w").close()\ntime.sleep(30)';
+    const sleep = c.start('tools/call', { name: 'eval', arguments: { sandbox: id, code } });
+    c.notify('notifications/cancelled', { requestId: 9999 }); // (no such call: nothing happens)
+    // Cancelled while it runs (the file it made says so).
+    const asleep = async () => (await c.ok('exec', { sandbox: id, command: 'test -e /tmp/asleep' })).exitCode === 0;
+    for (let i = 0; !(await asleep()); i++) assert.ok(i < 200, 'the eval never began');
+    c.notify('notifications/cancelled', { requestId: sleep.id, reason: 'the user changed their mind' });
+    const res = (await sleep.answer).result;
+    assert.is(res.isError, true, JSON.stringify(res));
+    assert.match(res.content[0].text, /^cancelled: /);
+    assert.ok(performance.now() - t0 < 20_000, 'it did not wait for the sleep');
+    assert.is((await c.ok('eval', { sandbox: id, code: '6 * 7' })).value, 42);
+  } finally {
+    assert.is(await c.end(), 0, c.stderr.join(''));
+  }
+});
+
+test('forkling mcp --help and bad options', async () => {
+  const { spawnSync } = await import('node:child_process');
+  const help = spawnSync(process.execPath, ['bin/forkling.mjs', 'mcp', '--help'], { encoding: 'utf8' });
+  assert.is(help.status, 0);
+  assert.match(help.stdout, /--max-sandboxes/);
+  const bad = spawnSync(process.execPath, ['bin/forkling.mjs', 'mcp', '--max-sandboxes', 'many'], { encoding: 'utf8' });
+  assert.is(bad.status, 2);
+  assert.match(bad.stderr, /--max-sandboxes must be an integer ≥ 1, got "many"/);
+  assert.is(bad.stdout, '', 'nothing on the protocol stream');
+});
+
+test.run();
