@@ -49,14 +49,19 @@ export async function mcpCommand(argv: string[]): Promise<number> {
   const server = new McpServer({ manager, version: pkg.version, log, send: (line) => process.stdout.write(`${line}\n`) });
 
   await new Promise<void>((resolve) => {
+    let ended = false;
     const end = (why: string) => {
+      if (ended) return;
+      ended = true;
+      process.stdin.destroy(); // (no more lines: the process ends once the sandboxes are killed)
       log(`${why}: killing ${manager.size} sandboxes`);
       resolve();
     };
     process.stdout.on('error', () => end('stdout closed')); // (the client went away: EPIPE)
+    process.stdin.on('error', (e) => end(`stdin: ${e.message}`));
     process.once('SIGTERM', () => end('SIGTERM'));
     process.once('SIGINT', () => end('SIGINT'));
-    readLines(process.stdin, (line) => server.take(line), () => server.tooLong(), () => end('stdin closed'));
+    readLines(process.stdin, (line) => server.take(line), (head, tail) => server.tooLong(head, tail), () => end('stdin closed'));
     log(`ready (engine ${engine.name}; max ${maxSandboxes} sandboxes, each ${defaultTimeoutMs} ms unless the model says otherwise)`);
   });
   // (together: an engine closed ends a fork still being made, so its call answers at once)
@@ -64,33 +69,44 @@ export async function mcpCommand(argv: string[]): Promise<number> {
   return 0;
 }
 
+/** Bytes kept of each end of a line too long to take (where its id is). */
+const EDGE_BYTES = 256;
+
 /**
- * Calls `line` for each line of `input`; a line longer than MAX_LINE_BYTES is
- * skipped whole (never buffered) and reported through `tooLong`.
+ * Calls `line` for each line of `input` (the last one also without a newline);
+ * a line longer than MAX_LINE_BYTES is skipped (never buffered whole) and
+ * reported through `tooLong` with its first and last bytes.
  */
-function readLines(input: NodeJS.ReadableStream, line: (l: string) => void, tooLong: () => void, end: () => void): void {
+function readLines(input: NodeJS.ReadableStream, line: (l: string) => void, tooLong: (head: string, tail: string) => void, end: () => void): void {
   let parts: Buffer[] = [];
   let size = 0;
-  let skipping = false;
+  let head: Buffer | null = null; // set while a line is skipped
+  let tail = Buffer.alloc(0);
+  const finish = () => {
+    if (head) tooLong(head.toString('utf8'), tail.toString('utf8'));
+    else if (size) line(Buffer.concat(parts).toString('utf8'));
+    parts = [];
+    size = 0;
+    head = null;
+    tail = Buffer.alloc(0);
+  };
   input.on('data', (chunk: Buffer) => {
     for (let at = 0; at < chunk.length; ) {
       const nl = chunk.indexOf(0x0a, at);
       const piece = chunk.subarray(at, nl < 0 ? chunk.length : nl);
       at = nl < 0 ? chunk.length : nl + 1;
-      if (!skipping) {
-        size += piece.length;
-        if (size > MAX_LINE_BYTES) {
-          skipping = true;
-          parts = [];
-        } else parts.push(piece);
+      size += piece.length;
+      if (!head && size > MAX_LINE_BYTES) {
+        head = Buffer.from(Buffer.concat([...parts, piece]).subarray(0, EDGE_BYTES)); // (a copy: the rest is let go)
+        parts = [];
       }
-      if (nl < 0) continue;
-      if (skipping) tooLong();
-      else line(Buffer.concat(parts).toString('utf8'));
-      parts = [];
-      size = 0;
-      skipping = false;
+      if (head) tail = Buffer.concat([tail, piece]).subarray(-EDGE_BYTES);
+      else parts.push(piece);
+      if (nl >= 0) finish();
     }
   });
-  input.on('end', end);
+  input.on('end', () => {
+    finish();
+    end();
+  });
 }

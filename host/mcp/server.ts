@@ -1,7 +1,10 @@
 // A Model Context Protocol server over stdio: JSON-RPC 2.0, one message per
 // line (the MCP stdio transport). It answers initialize, ping, tools/list and
-// tools/call (tools.ts), and takes notifications/cancelled to stop a call.
-// Calls run side by side; each answer goes out as its call ends. A tool's own
+// tools/call (tools.ts), and takes notifications/cancelled to stop a call
+// (which then gets no answer, as the spec asks). Calls run side by side; each
+// answer goes out as its call ends; one that asked for progress
+// (`_meta.progressToken`) gets a notifications/progress every few seconds
+// while it runs, so a client whose timeout restarts on progress waits. A tool's own
 // failure (no such sandbox, a bad argument, an agent's error) is a result with
 // isError, so the model reads and mends it; only what is not a valid call of a
 // known method is a JSON-RPC error.
@@ -11,11 +14,18 @@ import type { SandboxManager } from '../server/manager.ts';
 import { ServiceError } from '../server/errors.ts';
 import { TOOLS, toolArgChecks } from './tools.ts';
 
-/** Protocol revisions this server speaks, newest first (it answers a client's own when listed, else the newest). */
-export const MCP_VERSIONS = ['2025-11-25', '2025-06-18', '2025-03-26', '2024-11-05'] as const;
+/**
+ * Protocol revisions this server speaks, newest first (it answers a client's
+ * own when listed, else the newest). Not 2025-03-26: that one requires JSON-RPC
+ * batches, which the others do not have.
+ */
+export const MCP_VERSIONS = ['2025-11-25', '2025-06-18', '2024-11-05'] as const;
 
-/** Longest line taken (a files_write of 64 MiB as base64, with room): a longer one is refused unread. */
-export const MAX_LINE_BYTES = 96 * 1024 * 1024;
+/** Longest line taken: room for any call the tools' schemas let through (tools.ts: MAX_CONTENT_CHARS); a longer one is skipped unread. */
+export const MAX_LINE_BYTES = 112 * 1024 * 1024;
+
+/** How often a call that asked for progress is told that it still runs. */
+export const PROGRESS_EVERY_MS = 5_000;
 
 const PARSE_ERROR = -32700;
 const INVALID_REQUEST = -32600;
@@ -41,12 +51,13 @@ export interface McpServerOptions {
 export class McpServer {
   private readonly calls = new Map<Id, AbortController>();
   private readonly running = new Set<Promise<void>>();
+  private closing = false;
 
   constructor(private readonly opts: McpServerOptions) {}
 
   /** One line from the client. */
   take(line: string): void {
-    if (!line.trim()) return;
+    if (this.closing || !line.trim()) return;
     let msg: unknown;
     try {
       msg = JSON.parse(line);
@@ -81,13 +92,20 @@ export class McpServer {
     this.running.add(p);
   }
 
-  /** A line longer than MAX_LINE_BYTES, skipped unread (its id unknown). */
-  tooLong(): void {
-    this.error(null, INVALID_REQUEST, `a message of more than ${MAX_LINE_BYTES} bytes was skipped: send shorter messages (a big file: files_write in parts with append: true)`);
+  /**
+   * A line longer than MAX_LINE_BYTES, skipped unread but for its first and
+   * last bytes: its id where they show it (clients write it first or last),
+   * so that the call is answered, not left to the client's timeout.
+   */
+  tooLong(head: string, tail: string): void {
+    const id = /^\s*\{\s*"jsonrpc"\s*:\s*"2\.0"\s*,\s*"id"\s*:\s*(-?\d+|"[^"\\]*")\s*,/.exec(head)?.[1] ?? /[,{]\s*"id"\s*:\s*(-?\d+|"[^"\\]*")\s*\}\s*$/.exec(tail)?.[1];
+    const message = `a message of more than ${MAX_LINE_BYTES} bytes was skipped: send shorter ones (a big file: files_write in parts, append: true)`;
+    this.error(id === undefined ? null : (JSON.parse(id) as Id), INVALID_REQUEST, message);
   }
 
-  /** Stops every open call and waits until each has answered. */
+  /** Takes no more lines, stops every open call and waits until each has ended. */
   async close(): Promise<void> {
+    this.closing = true;
     for (const c of this.calls.values()) c.abort();
     await Promise.all(this.running);
   }
@@ -118,7 +136,7 @@ export class McpServer {
         return;
       case 'tools/list':
         this.result(id, {
-          tools: Object.entries(TOOLS).map(([name, t]) => ({ name, description: t.description, inputSchema: jsonSchema(t.args) })),
+          tools: Object.entries(TOOLS).map(([name, t]) => ({ name, description: t.description, inputSchema: jsonSchema(t.args), annotations: t.annotations })),
         });
         return;
       case 'tools/call':
@@ -131,7 +149,7 @@ export class McpServer {
 
   private async call(id: Id, params: Message): Promise<void> {
     const name = params.name;
-    const tool = typeof name === 'string' ? TOOLS[name] : undefined;
+    const tool = typeof name === 'string' && Object.hasOwn(TOOLS, name) ? TOOLS[name] : undefined;
     if (!tool) {
       this.error(id, INVALID_PARAMS, `no tool ${JSON.stringify(name)}: tools/list names them`);
       return;
@@ -148,14 +166,29 @@ export class McpServer {
     }
     const abort = new AbortController();
     this.calls.set(id, abort);
+    const progress = this.progressOf(params);
     try {
       const out = await tool.run(args as never, { manager: this.opts.manager, signal: abort.signal });
-      this.result(id, { content: [{ type: 'text', text: JSON.stringify(out) }], structuredContent: out });
+      if (!abort.signal.aborted) this.result(id, { content: [{ type: 'text', text: JSON.stringify(out) }], structuredContent: out });
     } catch (e) {
-      this.toolError(id, messageOf(e, this.opts.log));
+      if (!abort.signal.aborted) this.toolError(id, messageOf(e, this.opts.log));
     } finally {
+      if (progress) clearInterval(progress);
       this.calls.delete(id);
     }
+  }
+
+  /** A timer that tells the client the call still runs, where it asked (`_meta.progressToken`). */
+  private progressOf(params: Message): NodeJS.Timeout | null {
+    const token = (params._meta as Message | undefined)?.progressToken;
+    if (typeof token !== 'string' && typeof token !== 'number') return null;
+    const t0 = Date.now();
+    let n = 0;
+    return setInterval(() => {
+      const progress = ++n;
+      const message = `running for ${Math.round((Date.now() - t0) / 1000)} s`;
+      this.opts.send(JSON.stringify({ jsonrpc: '2.0', method: 'notifications/progress', params: { progressToken: token, progress, message } }));
+    }, PROGRESS_EVERY_MS);
   }
 
   private result(id: Id, result: unknown): void {

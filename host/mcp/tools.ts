@@ -14,11 +14,18 @@ import { compileCheck } from '../server/validate.ts';
 
 /** Output kept of each stream of a call: its first and its last half of this many characters. */
 export const MAX_OUTPUT_CHARS = 64 * 1024;
-/** Default limit of one eval or command (the model may give another, up to a day). */
-export const DEFAULT_CALL_TIMEOUT_MS = 60_000;
+/**
+ * Default limit of one eval or command (the model may give another, up to a
+ * day): under the 60 s after which common clients give up on a call, so that
+ * the model reads `timedOut` rather than the client's own timeout.
+ */
+export const DEFAULT_CALL_TIMEOUT_MS = 50_000;
 const MAX_CALL_TIMEOUT_MS = 24 * 3600 * 1000;
-/** Most bytes one files_read returns (a model reads a big file in slices: offset, length). */
+/** Bytes one files_read returns unless it asks for up to MAX_READ_BYTES (a model reads a big file in slices: offset, length). */
+export const DEFAULT_READ_BYTES = 64 * 1024;
 export const MAX_READ_BYTES = MAX_CHUNK;
+/** Longest files_write content: with JSON's worst escaping (6 bytes a character) its line stays under server.ts's MAX_LINE_BYTES. */
+export const MAX_CONTENT_CHARS = 16 * 1024 * 1024;
 
 // (the protocol's schemas, with words for the model)
 const Sandbox: TString = { ...SandboxIdSchema, description: 'the sandbox id (from sandbox_create, sandbox_fork or sandbox_branch)' };
@@ -33,9 +40,18 @@ export interface ToolContext {
   signal: AbortSignal;
 }
 
+/** Hints for clients (MCP ToolAnnotations): whether a tool only reads, or ends something. */
+interface Annotations {
+  readOnlyHint?: boolean;
+  destructiveHint?: boolean;
+  idempotentHint?: boolean;
+  openWorldHint?: boolean;
+}
+
 interface Tool<S extends TObject> {
   description: string;
   args: S;
+  annotations: Annotations;
   run(args: Static<S>, ctx: ToolContext): Promise<Record<string, unknown>>;
 }
 
@@ -46,6 +62,12 @@ const tool = <S extends TObject>(t: Tool<S>) => t as unknown as Tool<TObject>;
 
 const agentOf = (ctx: ToolContext, id: string): AgentClient => ctx.manager.sandbox(id).agent;
 
+/** Where to cut `s` near `at` without splitting a surrogate pair (one character). */
+function cutAt(s: string, at: number): number {
+  const c = s.charCodeAt(at - 1);
+  return c >= 0xd800 && c <= 0xdbff ? at - 1 : at;
+}
+
 /** A stream's text as kept: whole when short, else its head and tail around a note of what was cut. */
 class Kept {
   private head = '';
@@ -53,21 +75,39 @@ class Kept {
   private cut = 0;
   add(s: string): void {
     const half = MAX_OUTPUT_CHARS / 2;
-    if (this.head.length < half) {
-      const take = s.slice(0, half - this.head.length);
+    if (this.head.length < half && !this.tail) {
+      const take = s.slice(0, cutAt(s, half - this.head.length));
       this.head += take;
       s = s.slice(take.length);
     }
     if (!s) return;
     this.tail += s;
     if (this.tail.length > half) {
-      this.cut += this.tail.length - half;
-      this.tail = this.tail.slice(-half);
+      const from = cutAt(this.tail, this.tail.length - half);
+      this.cut += from;
+      this.tail = this.tail.slice(from);
     }
   }
   text(): string {
     return this.cut ? `${this.head}\n[... ${this.cut} characters cut ...]\n${this.tail}` : this.head + this.tail;
   }
+}
+
+/** `s` as Kept keeps it. */
+function kept(s: string): string {
+  const k = new Kept();
+  k.add(s);
+  return k.text();
+}
+
+/**
+ * Sandboxes a cancelled call made anyway (the manager takes no signal): killed,
+ * since the model never learns their ids; then the call ends as cancelled.
+ */
+async function unlessCancelled<T extends { id: string }>(made: T[], ctx: ToolContext): Promise<T[]> {
+  if (!ctx.signal.aborted) return made;
+  await Promise.all(made.map((s) => ctx.manager.kill(s.id).catch(() => false)));
+  throw new UserError('cancelled');
 }
 
 
@@ -76,27 +116,32 @@ export const TOOLS: Record<string, Tool<TObject>> = {
     description:
       'Start a new sandbox: a fresh, isolated Linux machine whose Python interpreter has the template\'s libraries already imported, ready in milliseconds. Returns its id; eval, exec and files_* act on it. Ended by sandbox_kill, its timeout, or when this server stops.',
     args: Args({ template: Type.Optional(Template), timeoutMs: Type.Optional(Lifetime) }),
-    run: async (a, ctx) => ({ sandbox: await ctx.manager.create(a.template ?? 'default', a.timeoutMs) }),
+    annotations: { readOnlyHint: false, destructiveHint: false, openWorldHint: false },
+    run: async (a, ctx) => ({ sandbox: (await unlessCancelled([await ctx.manager.create(a.template ?? 'default', a.timeoutMs)], ctx))[0] }),
   }),
   sandbox_fork: tool({
     description: 'Start n new sandboxes at once from a template (each as sandbox_create makes one): for trying several approaches side by side.',
     args: Args({ template: Type.Optional(Template), n: Count, timeoutMs: Type.Optional(Lifetime) }),
-    run: async (a, ctx) => ({ sandboxes: await ctx.manager.fork(a.template ?? 'default', a.n, a.timeoutMs) }),
+    annotations: { readOnlyHint: false, destructiveHint: false, openWorldHint: false },
+    run: async (a, ctx) => ({ sandboxes: await unlessCancelled(await ctx.manager.fork(a.template ?? 'default', a.n, a.timeoutMs), ctx) }),
   }),
   sandbox_branch: tool({
     description:
       'Copy a running sandbox n times as it is now: each copy continues from this moment with the same Python variables, imports and files, and goes its own way (tree search over a trajectory). The source goes on unchanged.',
     args: Args({ sandbox: Sandbox, n: Count, timeoutMs: Type.Optional(Lifetime) }),
-    run: async (a, ctx) => ({ sandboxes: await ctx.manager.branch(a.sandbox, a.n, a.timeoutMs) }),
+    annotations: { readOnlyHint: false, destructiveHint: false, openWorldHint: false },
+    run: async (a, ctx) => ({ sandboxes: await unlessCancelled(await ctx.manager.branch(a.sandbox, a.n, a.timeoutMs), ctx) }),
   }),
   sandbox_list: tool({
     description: 'The live sandboxes: ids, templates, parents (for branches), when each expires.',
     args: Args({}),
+    annotations: { readOnlyHint: true, openWorldHint: false },
     run: async (_a, ctx) => ({ sandboxes: ctx.manager.list() }),
   }),
   sandbox_kill: tool({
     description: 'End a sandbox and free what it holds.',
     args: Args({ sandbox: Sandbox }),
+    annotations: { readOnlyHint: false, destructiveHint: true, idempotentHint: true, openWorldHint: false },
     run: async (a, ctx) => ({ killed: await ctx.manager.kill(a.sandbox) }),
   }),
   eval: tool({
@@ -107,6 +152,7 @@ export const TOOLS: Record<string, Tool<TObject>> = {
       code: Type.String({ maxLength: MAX_CODE, description: 'Python source; a last expression is the result' }),
       timeoutMs: Type.Optional(CallTimeout),
     }),
+    annotations: { readOnlyHint: false, destructiveHint: false, openWorldHint: true },
     run: async (a, ctx) => {
       const out = new Kept();
       const err = new Kept();
@@ -115,13 +161,15 @@ export const TOOLS: Record<string, Tool<TObject>> = {
         { code: a.code, timeoutMs: a.timeoutMs ?? DEFAULT_CALL_TIMEOUT_MS },
         { signal: ctx.signal, onEvent: (ev) => (ev.ev === 'stdout' ? out : err).add(ev.data) },
       );
+      // (a value is given whole or not at all: its repr, cut, says what it was)
+      const whole = r.value !== undefined && JSON.stringify(r.value).length <= MAX_OUTPUT_CHARS;
       return {
-        ...(r.value !== undefined ? { value: r.value } : {}),
-        repr: r.repr,
+        ...(whole ? { value: r.value } : {}),
+        repr: kept(r.repr),
         type: r.type,
         stdout: out.text(),
         stderr: err.text(),
-        ...(r.exception ? { exception: r.exception } : {}),
+        ...(r.exception ? { exception: { ...r.exception, message: kept(r.exception.message), traceback: kept(r.exception.traceback) } } : {}),
         timedOut: r.timedOut,
         durationMs: r.durationMs,
       };
@@ -135,6 +183,7 @@ export const TOOLS: Record<string, Tool<TObject>> = {
       cwd: Type.Optional(Type.String({ minLength: 1, maxLength: 4096, description: 'working directory' })),
       timeoutMs: Type.Optional(CallTimeout),
     }),
+    annotations: { readOnlyHint: false, destructiveHint: false, openWorldHint: true },
     run: async (a, ctx) => {
       const out = new Kept();
       const err = new Kept();
@@ -159,21 +208,23 @@ export const TOOLS: Record<string, Tool<TObject>> = {
     },
   }),
   files_read: tool({
-    description: `Read a file of a sandbox: text when it is UTF-8, else base64. At most ${MAX_READ_BYTES} bytes a call: read a bigger file in slices (offset, length).`,
+    description: `Read a file of a sandbox: text when it is UTF-8, else base64. ${DEFAULT_READ_BYTES} bytes a call unless length says more (up to ${MAX_READ_BYTES}): read a bigger file in slices (offset, length).`,
     args: Args({
       sandbox: Sandbox,
       path: Type.String({ minLength: 1, maxLength: 4096 }),
       offset: Type.Optional(Type.Integer({ minimum: 0 })),
       length: Type.Optional(Type.Integer({ minimum: 0, maximum: MAX_READ_BYTES })),
     }),
+    annotations: { readOnlyHint: true, openWorldHint: false },
     run: async (a, ctx) => {
       const agent = agentOf(ctx, a.sandbox);
       const size = (await agent.stat(a.path)).size;
       const offset = a.offset ?? 0;
-      const data = await agent.readFile(a.path, { offset, length: a.length ?? MAX_READ_BYTES, signal: ctx.signal });
+      const data = await agent.readFile(a.path, { offset, length: a.length ?? DEFAULT_READ_BYTES, signal: ctx.signal });
       let text: string | null = null;
       try {
-        text = new TextDecoder('utf-8', { fatal: true }).decode(data);
+        // (a slice that cuts a character in two is not UTF-8: base64 then)
+        text = new TextDecoder('utf-8', { fatal: true, ignoreBOM: true }).decode(data);
       } catch {}
       const more = offset + data.length < size;
       return {
@@ -191,10 +242,11 @@ export const TOOLS: Record<string, Tool<TObject>> = {
     args: Args({
       sandbox: Sandbox,
       path: Type.String({ minLength: 1, maxLength: 4096 }),
-      content: Type.String({ maxLength: 64 * 1024 * 1024 }),
+      content: Type.String({ maxLength: MAX_CONTENT_CHARS, description: 'the bytes (a bigger file: several calls, append: true)' }),
       encoding: Type.Optional(Type.Union([Type.Literal('utf8'), Type.Literal('base64')], { description: 'of content (default utf8)' })),
       append: Type.Optional(Type.Boolean()),
     }),
+    annotations: { readOnlyHint: false, destructiveHint: true, openWorldHint: false },
     run: async (a, ctx) => {
       const data = a.encoding === 'base64' ? base64(a.content) : new TextEncoder().encode(a.content);
       const r = await agentOf(ctx, a.sandbox).writeFile(a.path, data, { mkdirs: true, signal: ctx.signal, ...(a.append ? { append: true } : {}) });

@@ -15,6 +15,9 @@ export class McpClient {
   private buf = '';
   private nextId = 1;
   private readonly waiting = new Map<number | string | null, (m: Msg) => void>();
+  /** Notifications the server sent (notifications/progress), in order. */
+  readonly notifications: Msg[] = [];
+  private onNotification: (() => void) | null = null;
   readonly exited: Promise<number | string | null>;
 
   /** `forkling mcp` with these options (default: the process engine). */
@@ -28,6 +31,11 @@ export class McpClient {
       for (let nl = this.buf.indexOf('\n'); nl >= 0; nl = this.buf.indexOf('\n')) {
         const m = JSON.parse(this.buf.slice(0, nl)) as Msg;
         this.buf = this.buf.slice(nl + 1);
+        if (typeof m.method === 'string') {
+          this.notifications.push(m);
+          this.onNotification?.();
+          continue;
+        }
         const w = this.waiting.get(m.id);
         assert.ok(w, `an answer nobody asked for: ${JSON.stringify(m)}`);
         this.waiting.delete(m.id);
@@ -36,10 +44,11 @@ export class McpClient {
     });
   }
 
-  /** Sends a raw line; resolves with the answer carrying `id`. */
-  raw(line: string, id: number | string | null): Promise<Msg> {
+  /** Sends a raw line (`newline` false: the last, with no newline, and stdin closed); resolves with the answer carrying `id`. */
+  raw(line: string, id: number | string | null, newline = true): Promise<Msg> {
     const answer = new Promise<Msg>((r) => this.waiting.set(id, r));
-    this.p.stdin.write(`${line}\n`);
+    if (newline) this.p.stdin.write(`${line}\n`);
+    else this.p.stdin.end(line);
     return answer;
   }
 
@@ -83,6 +92,17 @@ export class McpClient {
     const m = await this.request('initialize', { protocolVersion: version, capabilities: {}, clientInfo: { name: 'test', version: '0' } });
     this.notify('notifications/initialized');
     return m;
+  }
+
+  /** Resolves once a notification of `method` has come (at once if one has). */
+  async notification(method: string): Promise<Msg> {
+    for (;;) {
+      const n = this.notifications.find((m) => m.method === method);
+      if (n) return n;
+      await new Promise<void>((r) => {
+        this.onNotification = r;
+      });
+    }
   }
 
   async end(): Promise<number | string | null> {

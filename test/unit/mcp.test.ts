@@ -2,7 +2,7 @@
 // 2.0, a message a line), with real sandboxes of the process engine.
 import { test } from 'uvu';
 import * as assert from 'uvu/assert';
-import { MCP_VERSIONS } from '../../host/mcp/server.ts';
+import { MAX_LINE_BYTES, MCP_VERSIONS } from '../../host/mcp/server.ts';
 import { MAX_OUTPUT_CHARS } from '../../host/mcp/tools.ts';
 import { McpClient as Client, type Msg } from './mcp-client.ts';
 
@@ -50,9 +50,11 @@ test('what is not a valid call is a JSON-RPC error; a tool\'s own failure is a r
     const unknown = await c.request('resources/list');
     assert.is(unknown.error.code, -32601);
     assert.match(unknown.error.message, 'tools/call');
-    const noTool = await c.request('tools/call', { name: 'rm_rf', arguments: {} });
-    assert.is(noTool.error.code, -32602);
-    assert.match(noTool.error.message, 'no tool "rm_rf"');
+    for (const name of ['rm_rf', 'toString', '__proto__', 'constructor']) {
+      const noTool = await c.request('tools/call', { name, arguments: {} });
+      assert.is(noTool.error?.code, -32602, JSON.stringify(noTool));
+      assert.match(noTool.error.message, `no tool ${JSON.stringify(name)}`);
+    }
     // Arguments: a missing, a misnamed and a mistyped one, each named for the model.
     assert.match(await c.fails('eval', { sandbox: 'x' }), /bad arguments: eval: .*code/);
     assert.match(await c.fails('sandbox_create', { timeout: 5 }), /bad arguments: sandbox_create: \/timeout/);
@@ -140,20 +142,49 @@ test('long output is cut to a head and a tail; a cancelled call ends at once and
 
     const t0 = performance.now();
     const code = 'import time\nopen("/tmp/asleep", "w").close()\ntime.sleep(30)';
-    const sleep = c.start('tools/call', { name: 'eval', arguments: { sandbox: id, code } });
+    // It asked for progress: told every few seconds that it runs.
+    const sleep = c.start('tools/call', { name: 'eval', arguments: { sandbox: id, code }, _meta: { progressToken: 'p1' } });
     c.notify('notifications/cancelled', { requestId: 9999 }); // (no such call: nothing happens)
-    // Cancelled while it runs (the file it made says so).
+    const progress = await c.notification('notifications/progress');
+    assert.equal([progress.params.progressToken, progress.params.progress], ['p1', 1]);
+    // Cancelled while it runs (the file it made says so): it gets no answer, and the sandbox goes on at once.
     const asleep = async () => (await c.ok('exec', { sandbox: id, command: 'test -e /tmp/asleep' })).exitCode === 0;
     for (let i = 0; !(await asleep()); i++) assert.ok(i < 200, 'the eval never began');
     c.notify('notifications/cancelled', { requestId: sleep.id, reason: 'the user changed their mind' });
-    const res = (await sleep.answer).result;
-    assert.is(res.isError, true, JSON.stringify(res));
-    assert.match(res.content[0].text, /^cancelled: /);
+    const next = c.ok('eval', { sandbox: id, code: '6 * 7' });
+    const first = await Promise.race([sleep.answer.then((m) => `the cancelled call was answered: ${JSON.stringify(m)}`), next.then(() => 'next')]);
+    assert.is(first, 'next');
+    assert.is((await next).value, 42);
     assert.ok(performance.now() - t0 < 20_000, 'it did not wait for the sleep');
-    assert.is((await c.ok('eval', { sandbox: id, code: '6 * 7' })).value, 42);
   } finally {
     assert.is(await c.end(), 0, c.stderr.join(''));
   }
+});
+
+test('stdin: a line too long is skipped and answered by its id; a last line without a newline is taken', async () => {
+  const c = new Client();
+  try {
+    await c.init();
+    const pad = 'A'.repeat(MAX_LINE_BYTES);
+    const first = await c.raw(`{"jsonrpc":"2.0","id":77,"method":"ping","params":{"pad":"${pad}"}}`, 77);
+    assert.is(first.error.code, -32600);
+    assert.match(first.error.message, `more than ${MAX_LINE_BYTES} bytes was skipped`);
+    const last = await c.raw(`{"jsonrpc":"2.0","method":"ping","params":{"pad":"${pad}"},"id":"z"}`, 'z');
+    assert.is(last.error.code, -32600);
+    assert.equal((await c.request('ping')).result, {}, 'the next line is taken');
+    assert.equal((await c.raw('{"jsonrpc":"2.0","id":"eof","method":"ping"}', 'eof', false)).result, {});
+  } finally {
+    assert.is(await c.end(), 0, c.stderr.join(''));
+  }
+});
+
+test('SIGTERM with stdin still open: its sandboxes are killed and it exits 0', async () => {
+  const c = new Client();
+  await c.init();
+  await c.ok('sandbox_create');
+  c.p.kill('SIGTERM');
+  assert.is(await c.exited, 0, c.stderr.join(''));
+  assert.match(c.stderr.join(''), /SIGTERM: killing 1 sandboxes/);
 });
 
 test('forkling mcp --help and bad options', async () => {
