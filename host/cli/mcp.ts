@@ -46,10 +46,12 @@ export async function mcpCommand(argv: string[]): Promise<number> {
   const engine = await openEngine(values.engine, { log });
   const manager = new SandboxManager({ engine, maxSandboxes, defaultTimeoutMs, maxTimeoutMs: MAX_TIMEOUT_MS, log });
   const pkg = JSON.parse(readFileSync(new URL('../../package.json', import.meta.url), 'utf8')) as { version: string };
+  // The template most calls use, made ready while the client starts up: its first sandbox_create then only forks.
+  let ended = false;
+  void engine.prepare('default').catch((e) => ended || log(`the template default is not ready: ${(e as Error).message}`));
   const server = new McpServer({ manager, version: pkg.version, log, send: (line) => process.stdout.write(`${line}\n`) });
 
   await new Promise<void>((resolve) => {
-    let ended = false;
     const end = (why: string) => {
       if (ended) return;
       ended = true;

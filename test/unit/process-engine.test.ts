@@ -110,6 +110,19 @@ test('prepare freezes the template and starts its fork server before any fork, o
   }
 });
 
+test("an engine closed while a template's zygote starts (a first prepare or fork) takes that zygote with it", async () => {
+  const before = new Set(childrenOf(process.pid));
+  const e = new ProcessEngine({ warn: (l) => warnings.push(l) });
+  const prepared = e.prepare(TEMPLATE).then(
+    () => null,
+    (err: Error) => err,
+  );
+  await e.close();
+  await prepared;
+  const left = childrenOf(process.pid).filter((k) => !before.has(k));
+  assert.equal(left, [], `started and left: ${left.map((k) => readFileSync(`/proc/${k}/cmdline`, 'utf8').replace(/\0/g, ' ')).join('; ')}`);
+});
+
 test('a child inherits the warm-up state and is PID 1 of its own namespaces', async () => {
   const [c] = await engine.fork(TEMPLATE, 1);
   const v = (await val(c!.agent, '(WARM["answer"], os.getpid(), socket.gethostname(), os.environ.get("FORKLING_PROCESS_ROLE"), open("/tmp/warm-file").read())')) as unknown[];

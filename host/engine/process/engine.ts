@@ -1233,6 +1233,8 @@ export class ProcessEngine implements Engine {
   async close(): Promise<void> {
     if (this.closed) return;
     this.closed = true;
+    // A template's zygote being started (a first fork or prepare) is one of the roots once it is: else it would outlive the engine.
+    await Promise.allSettled([...this.creating.values()]);
     const roots = [...this.zygotes.values(), ...this.retired];
     for (const z of roots) await z.refilling;
     await Promise.all([...this.sandboxes, ...roots.flatMap((z) => z.spares)].map((s) => s.kill()));
