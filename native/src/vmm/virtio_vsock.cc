@@ -500,6 +500,9 @@ void VirtioVsock::FailDevice(const std::string& message) {
 
 void VirtioVsock::Loop() {
   pthread_setname_np(pthread_self(), "vsock");
+  // Started by Unpark: no longer parked from before its first pass, so whoever sees what the
+  // pass answers sees that too (Unpark clears it again only after StartLoop returned).
+  parked_ = false;
   epoll_event events[64];
   while (!stop_) {
     // (a park asked for is tried again in 1 ms while a control call or a pass is in its way)
