@@ -80,6 +80,10 @@ const FLAKES = {
   // A booted guest that ran fine and then triple-faulted (reboot=k: Linux never resets that way;
   // boot.test's VM A once, 2026-11-30): what a request in flight then says (vm.ts).
   running: { what: 'a triple fault of a running guest', is: (m: string) => /^the VM \S+ stopped \(triple-fault/.test(m) },
+  // A VM that triple-faulted after its first console lines, before its agent answered: a
+  // template's rehearsal child once (fork.test's set-up, 2026-12-05; the line was the
+  // template's agent's "ready"). Linux never resets that way (reboot=k): the early one's kin.
+  ready: { what: 'a triple fault before the agent answered', is: (m: string) => /stopped before its agent was ready \(triple-fault/.test(m) },
   // A boot that printed nothing at all in its whole ready time, its vCPU registers not even the
   // guest's (cr3 past the guest's RAM): boot.test's panic VM once, 2026-12-01 (it panics within
   // seconds everywhere else), boot-vmlinux.test's vmlinux boot once the same day (cr3 at 4 GiB
@@ -94,7 +98,7 @@ export type LabFlake = keyof typeof FLAKES;
 
 /**
  * Runs `fn`; in the lab, retries it after one of the flakes in `kinds`
- * (default: a boot's, an early triple fault or no output at all, or the entry panic),
+ * (default: a boot's, a triple fault before the agent answered or no output at all, or the entry panic),
  * `attempts` times in all (default 3: a CI run boots Linux dozens of times in
  * the lab, and one boot that flakes on every try fails the whole run).
  */
@@ -103,7 +107,7 @@ export async function labRetry<T>(
   fn: () => Promise<T>,
   log: (line: string) => void = console.error,
   attempts = 3,
-  kinds: LabFlake[] = ['early', 'silent', 'entry'],
+  kinds: LabFlake[] = ['early', 'ready', 'silent', 'entry'],
 ): Promise<T> {
   for (let attempt = 1; ; attempt++) {
     try {
