@@ -535,6 +535,9 @@ export class ProcessEngine implements Engine {
   private readonly zygotes = new Map<string, Zygote>();
   private readonly retired: Zygote[] = [];
   private readonly creating = new Map<string, Promise<Zygote>>();
+  /** Zygotes being started, each settled once it is in `zygotes` (close() waits for them, not for a template being made). */
+  private readonly starting = new Set<Promise<unknown>>();
+  private closing: Promise<void> | null = null;
   private readonly sandboxes = new Set<ProcessSandbox>();
   private readonly booted = new Set<Root>();
   private readonly warn: (line: string) => void;
@@ -831,8 +834,14 @@ export class ProcessEngine implements Engine {
         else throw new UserError(`template ${JSON.stringify(template)} does not exist`, 'create it: forkling template create <name> --image <image>');
         const existing = this.zygotes.get(template);
         if (existing && !existing.dead) return existing;
-        const z = await this.startZygote(info!);
-        this.zygotes.set(template, z);
+        this.checkOpen(); // (closed while the template was being made)
+        const registered = this.startZygote(info!).then((z) => {
+          this.zygotes.set(template, z);
+          return z;
+        });
+        this.starting.add(registered);
+        const z = await registered.finally(() => this.starting.delete(registered));
+        this.checkOpen();
         this.refill(z);
         return z;
       })().finally(() => this.creating.delete(template));
@@ -843,7 +852,9 @@ export class ProcessEngine implements Engine {
 
   async prepare(template: string): Promise<void> {
     this.checkOpen();
-    await this.prepared(await this.zygote(template));
+    const z = await this.zygote(template);
+    this.checkOpen();
+    await this.prepared(z);
   }
 
   /** What the first fork would do: freeze the template, start the fork server; and wait (up to 10 s) for its pattern. Once. */
@@ -871,6 +882,7 @@ export class ProcessEngine implements Engine {
     if (!Number.isInteger(n) || n < 1 || n > 1024) throw new UserError(`cannot fork ${n} children`, 'n must be an integer from 1 to 1024');
     const startedAt = performance.now();
     const z = await this.zygote(template);
+    this.checkOpen(); // (closed while its zygote started)
     // Spares being made now are ready sooner than new forks, which would queue behind them at the zygote.
     z.refillNow?.();
     if (z.spares.length < n && z.refilling) await z.refilling.catch(() => {});
@@ -984,6 +996,7 @@ export class ProcessEngine implements Engine {
 
   /** Resolves once the template's spare forks (if any are configured) are ready (benchmarks, tests). */
   async sparesReady(template: string): Promise<number> {
+    this.checkOpen();
     const z = await this.zygote(template);
     while (z.refilling) await z.refilling;
     return z.spares.length;
@@ -1231,10 +1244,15 @@ export class ProcessEngine implements Engine {
   }
 
   async close(): Promise<void> {
-    if (this.closed) return;
+    if (!this.closing) this.closing = this.closeOnce();
+    return this.closing;
+  }
+
+  private async closeOnce(): Promise<void> {
     this.closed = true;
-    // A template's zygote being started (a first fork or prepare) is one of the roots once it is: else it would outlive the engine.
-    await Promise.allSettled([...this.creating.values()]);
+    // A template's zygote being started (a first prepare or fork) is one of the roots once it is: else it would
+    // outlive the engine. (A template still being made is not waited for: it finds the engine closed.)
+    await Promise.allSettled([...this.starting]);
     const roots = [...this.zygotes.values(), ...this.retired];
     for (const z of roots) await z.refilling;
     await Promise.all([...this.sandboxes, ...roots.flatMap((z) => z.spares)].map((s) => s.kill()));

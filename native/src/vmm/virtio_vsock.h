@@ -255,7 +255,9 @@ class VirtioVsock : public VirtioDevice, public std::enable_shared_from_this<Vir
   std::atomic<bool> kick_pending_{false};
   std::atomic<bool> transport_reset_pending_{false};
   // Parked (RequestPark): its thread has ended (joined by the next StartLoop or StopLoop) and
-  // the park watch holds epoll_fd_ under park_token_. Changed under control_mu_.
+  // the park watch holds epoll_fd_ under park_token_. Changed under control_mu_, but for the
+  // clear by the loop Unpark starts (Loop: before its first pass; it cannot park again before
+  // Unpark lets control_mu_ go).
   std::atomic<bool> parked_{false};
   std::atomic<bool> park_requested_{false};
   uint64_t park_token_ = 0;
