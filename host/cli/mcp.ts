@@ -9,12 +9,14 @@ import { openEngine } from '../engine/select.ts';
 import { UserError } from '../errors.ts';
 import { MAX_LINE_BYTES, McpServer } from '../mcp/server.ts';
 import { SandboxManager } from '../server/manager.ts';
-import { intOption, parseCommandLine } from './args.ts';
+import { DEFAULT_SPARES, intOption, parseCommandLine, sparesOption } from './args.ts';
 
 const USAGE = `usage: forkling mcp [options]
   --engine kvm|process|auto sandbox engine (default auto, or $FORKLING_ENGINE)
   --max-sandboxes <n>       most live sandboxes (default 32)
   --default-timeout-ms <n>  a sandbox's lifetime when the model sets none (default 3600000 = 1 hour)
+  --spares <n>              process engine: forks kept ready per template, so that sandbox_create needs no
+                            fork of its own (default $FORKLING_PROCESS_SPARES, else ${DEFAULT_SPARES}; 0: none)
 Speaks MCP (JSON-RPC 2.0, one message a line) on stdin/stdout; its tools make
 sandboxes and run Python, commands and file transfers in them. Every sandbox
 ends when stdin closes or on SIGTERM/SIGINT. E.g. for a client's config:
@@ -28,6 +30,7 @@ export async function mcpCommand(argv: string[]): Promise<number> {
         engine: { type: 'string' },
         'max-sandboxes': { type: 'string' },
         'default-timeout-ms': { type: 'string' },
+        spares: { type: 'string' },
         help: { type: 'boolean', short: 'h' },
       },
     },
@@ -43,7 +46,8 @@ export async function mcpCommand(argv: string[]): Promise<number> {
   if (defaultTimeoutMs > MAX_TIMEOUT_MS) throw new UserError(`--default-timeout-ms ${defaultTimeoutMs} is more than 7 days`, `give at most ${MAX_TIMEOUT_MS}`);
 
   const log = (line: string) => process.stderr.write(`forkling mcp: ${line.replace(/^forkling: /, '')}\n`);
-  const engine = await openEngine(values.engine, { log });
+  const spares = sparesOption(values.spares, hint);
+  const engine = await openEngine(values.engine, { log, ...(spares !== undefined ? { processSpares: spares } : {}) });
   const manager = new SandboxManager({ engine, maxSandboxes, defaultTimeoutMs, maxTimeoutMs: MAX_TIMEOUT_MS, log });
   const pkg = JSON.parse(readFileSync(new URL('../../package.json', import.meta.url), 'utf8')) as { version: string };
   // The template most calls use, made ready while the client starts up: its first sandbox_create then only forks.

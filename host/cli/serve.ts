@@ -13,10 +13,8 @@ import { DEFAULT_LISTEN, isLoopback, parseListen } from '../server/listen.ts';
 import { SandboxManager } from '../server/manager.ts';
 import { ForklingServer } from '../server/server.ts';
 import { ServerMetrics } from '../server/telemetry.ts';
-import { intOption, parseCommandLine } from './args.ts';
+import { DEFAULT_SPARES, intOption, parseCommandLine, sparesOption } from './args.ts';
 
-/** Spare forks per template for the process engine (a new sandbox answers its first eval in ~5 ms instead of ~10 here: README). */
-const DEFAULT_SPARES = 4;
 
 const USAGE = `usage: forkling serve [options]
 
@@ -107,9 +105,8 @@ export async function serveCommand(argv: string[]): Promise<number> {
   const drainMs = positiveInt('drain-ms', str('drain-ms'), 10_000, 0);
   const maxUnsentMiB = positiveInt('max-unsent-mib', str('max-unsent-mib'), 1024);
   if (maxUnsentMiB > 2 ** 30) throw new UserError(`--max-unsent-mib ${maxUnsentMiB} is more than any host holds`, 'give MiB, e.g. 1024');
-  // (the engine's own default is no spares: a one-shot `forkling fork` would only waste them)
   const sparesEnv = process.env.FORKLING_PROCESS_SPARES || undefined;
-  const spares = str('spares') !== undefined || sparesEnv === undefined ? positiveInt('spares', str('spares'), DEFAULT_SPARES, 0) : undefined;
+  const spares = sparesOption(str('spares'), USAGE.split('\n')[0] as string);
   const sleepAfterMs = str('sleep-after-ms') === undefined ? undefined : positiveInt('sleep-after-ms', str('sleep-after-ms'), 0, 0);
   if (sleepAfterMs !== undefined && sleepAfterMs > MAX_SLEEP_AFTER_MS) {
     throw new UserError(`--sleep-after-ms ${sleepAfterMs} is more than a day`, `give at most ${MAX_SLEEP_AFTER_MS}, or 0 for never`);
