@@ -73,9 +73,7 @@ export async function main(argv: string[]): Promise<number> {
     return name ? 0 : 2;
   }
   if (name === '--version' || name === 'version') {
-    const { readFileSync } = await import('node:fs');
-    const pkg = JSON.parse(readFileSync(new URL('../../package.json', import.meta.url), 'utf8')) as { version: string };
-    console.log(pkg.version);
+    console.log((await import('../version.ts')).packageVersion());
     return 0;
   }
   const entry = COMMANDS[name];

@@ -3,12 +3,12 @@
 // process (the same engine and SandboxManager as `forkling serve`) and end
 // with it: when the client closes stdin, or on SIGTERM/SIGINT. stdout carries
 // only protocol messages; logs go to stderr.
-import { readFileSync } from 'node:fs';
 import { MAX_TIMEOUT_MS } from '../../protocol/server-ops.ts';
 import { openEngine } from '../engine/select.ts';
 import { UserError } from '../errors.ts';
 import { MAX_LINE_BYTES, McpServer } from '../mcp/server.ts';
 import { SandboxManager } from '../server/manager.ts';
+import { packageVersion } from '../version.ts';
 import { DEFAULT_SPARES, intOption, parseCommandLine, sparesOption } from './args.ts';
 
 const USAGE = `usage: forkling mcp [options]
@@ -49,11 +49,10 @@ export async function mcpCommand(argv: string[]): Promise<number> {
   const spares = sparesOption(values.spares, hint);
   const engine = await openEngine(values.engine, { log, ...(spares !== undefined ? { processSpares: spares } : {}) });
   const manager = new SandboxManager({ engine, maxSandboxes, defaultTimeoutMs, maxTimeoutMs: MAX_TIMEOUT_MS, log });
-  const pkg = JSON.parse(readFileSync(new URL('../../package.json', import.meta.url), 'utf8')) as { version: string };
   // The template most calls use, made ready while the client starts up: its first sandbox_create then only forks.
   let ended = false;
   void engine.prepare('default').catch((e) => ended || log(`the template default is not ready: ${(e as Error).message}`));
-  const server = new McpServer({ manager, version: pkg.version, log, send: (line) => process.stdout.write(`${line}\n`) });
+  const server = new McpServer({ manager, version: packageVersion(), log, send: (line) => process.stdout.write(`${line}\n`) });
 
   await new Promise<void>((resolve) => {
     const end = (why: string) => {

@@ -15,7 +15,6 @@ import { ForklingServer } from '../server/server.ts';
 import { ServerMetrics } from '../server/telemetry.ts';
 import { DEFAULT_SPARES, intOption, parseCommandLine, sparesOption } from './args.ts';
 
-
 const USAGE = `usage: forkling serve [options]
 
   --listen <host:port>      where to listen (default ${DEFAULT_LISTEN}; port 0 picks a free one)

@@ -27,6 +27,11 @@ export const MAX_LINE_BYTES = 112 * 1024 * 1024;
 /** How often a call that asked for progress is told that it still runs. */
 export const PROGRESS_EVERY_MS = 5_000;
 
+/** What tools/list answers (each schema as plain JSON Schema: TypeBox's symbol keys dropped). */
+const TOOL_LIST = JSON.parse(
+  JSON.stringify(Object.entries(TOOLS).map(([name, t]) => ({ name, description: t.description, inputSchema: t.args, annotations: t.annotations }))),
+) as unknown[];
+
 const PARSE_ERROR = -32700;
 const INVALID_REQUEST = -32600;
 const METHOD_NOT_FOUND = -32601;
@@ -135,9 +140,7 @@ export class McpServer {
         this.result(id, {});
         return;
       case 'tools/list':
-        this.result(id, {
-          tools: Object.entries(TOOLS).map(([name, t]) => ({ name, description: t.description, inputSchema: jsonSchema(t.args), annotations: t.annotations })),
-        });
+        this.result(id, { tools: TOOL_LIST });
         return;
       case 'tools/call':
         await this.call(id, params);
@@ -215,9 +218,4 @@ function messageOf(e: unknown, log?: (line: string) => void): string {
   if (e instanceof ServiceError || e instanceof AgentError) return `${e.code}: ${e.message}`;
   log?.(`tool call failed: ${e instanceof Error ? (e.stack ?? e.message) : String(e)}`);
   return `internal error: ${e instanceof Error ? e.message : String(e)}`;
-}
-
-/** A TypeBox schema as plain JSON Schema (its symbol keys dropped). */
-function jsonSchema(schema: unknown): unknown {
-  return JSON.parse(JSON.stringify(schema));
 }

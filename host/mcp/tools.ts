@@ -73,6 +73,12 @@ class Kept {
   private head = '';
   private tail = '';
   private cut = 0;
+  private decoder: TextDecoder | null = null;
+  /** Bytes of a stream, decoded as UTF-8 across chunks (text() takes what is left). */
+  addBytes(b: Uint8Array): void {
+    this.decoder ??= new TextDecoder();
+    this.add(this.decoder.decode(b, { stream: true }));
+  }
   add(s: string): void {
     const half = MAX_OUTPUT_CHARS / 2;
     if (this.head.length < half && !this.tail) {
@@ -89,6 +95,8 @@ class Kept {
     }
   }
   text(): string {
+    if (this.decoder) this.add(this.decoder.decode());
+    this.decoder = null;
     return this.cut ? `${this.head}\n[... ${this.cut} characters cut ...]\n${this.tail}` : this.head + this.tail;
   }
 }
@@ -109,7 +117,6 @@ async function unlessCancelled<T extends { id: string }>(made: T[], ctx: ToolCon
   await Promise.all(made.map((s) => ctx.manager.kill(s.id).catch(() => false)));
   throw new UserError('cancelled');
 }
-
 
 export const TOOLS: Record<string, Tool<TObject>> = {
   sandbox_create: tool({
@@ -185,25 +192,19 @@ export const TOOLS: Record<string, Tool<TObject>> = {
     }),
     annotations: { readOnlyHint: false, destructiveHint: false, openWorldHint: true },
     run: async (a, ctx) => {
+      // (streamed, not the whole of each stream: only what is kept stays in memory)
       const out = new Kept();
       const err = new Kept();
-      // (streamed, not the whole of each stream: only what is kept stays in memory)
-      const stream = (k: Kept) => ({ decoder: new TextDecoder(), k });
-      const o = stream(out);
-      const e = stream(err);
       const r = await agentOf(ctx, a.sandbox).request(
         'exec',
         { shell: a.command, timeoutMs: a.timeoutMs ?? DEFAULT_CALL_TIMEOUT_MS, ...(a.cwd !== undefined ? { cwd: a.cwd } : {}) },
         {
           signal: ctx.signal,
           onEvent: (ev) => {
-            if (ev.ev !== 'stdout' && ev.ev !== 'stderr') return;
-            const s = ev.ev === 'stdout' ? o : e;
-            s.k.add(s.decoder.decode(ev.data, { stream: true }));
+            if (ev.ev === 'stdout' || ev.ev === 'stderr') (ev.ev === 'stdout' ? out : err).addBytes(ev.data);
           },
         },
       );
-      for (const s of [o, e]) s.k.add(s.decoder.decode());
       return { exitCode: r.exitCode, signal: r.signal, stdout: out.text(), stderr: err.text(), timedOut: r.timedOut, durationMs: r.durationMs };
     },
   }),
@@ -217,10 +218,15 @@ export const TOOLS: Record<string, Tool<TObject>> = {
     }),
     annotations: { readOnlyHint: true, openWorldHint: false },
     run: async (a, ctx) => {
-      const agent = agentOf(ctx, a.sandbox);
-      const size = (await agent.stat(a.path)).size;
       const offset = a.offset ?? 0;
-      const data = await agent.readFile(a.path, { offset, length: a.length ?? DEFAULT_READ_BYTES, signal: ctx.signal });
+      const parts: Uint8Array[] = [];
+      // (one request: its result says the file's size)
+      const { fileSize: size } = await agentOf(ctx, a.sandbox).readFileChunks(a.path, (d) => parts.push(d), {
+        offset,
+        length: a.length ?? DEFAULT_READ_BYTES,
+        signal: ctx.signal,
+      });
+      const data = Buffer.concat(parts);
       let text: string | null = null;
       try {
         // (a slice that cuts a character in two is not UTF-8: base64 then)
@@ -232,7 +238,7 @@ export const TOOLS: Record<string, Tool<TObject>> = {
         fileSize: size,
         offset,
         bytes: data.length,
-        ...(text !== null ? { encoding: 'utf8', content: text } : { encoding: 'base64', content: Buffer.from(data).toString('base64') }),
+        ...(text !== null ? { encoding: 'utf8', content: text } : { encoding: 'base64', content: data.toString('base64') }),
         ...(more ? { more: `${size - offset - data.length} bytes more: read again from offset ${offset + data.length}` } : {}),
       };
     },

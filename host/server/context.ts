@@ -1,7 +1,7 @@
 // What the WebSocket sessions and the REST handlers share: the manager, the
 // metrics, the limits, and the server operations themselves (one
 // implementation behind both transports).
-import { readFileSync } from 'node:fs';
+import { packageVersion } from '../version.ts';
 import { ERROR_CODES, MAX_CHUNK, MAX_FRAME, PROTOCOL_VERSION } from '../../protocol/schema.ts';
 import { ROUTED_OPS, SERVER_ERROR_CODES, SERVER_OPS, type ServerOpArgs } from '../../protocol/server-ops.ts';
 import type { CallAgent } from './bridge.ts';
@@ -25,14 +25,6 @@ export interface ServerContext {
 
 const KNOWN_CODES = new Set<string>([...ERROR_CODES, ...SERVER_ERROR_CODES]);
 
-function packageVersion(): string {
-  try {
-    const pkg = JSON.parse(readFileSync(new URL('../../package.json', import.meta.url), 'utf8')) as { version: string };
-    return pkg.version;
-  } catch {
-    return 'unknown';
-  }
-}
 
 export function createContext(opts: {
   manager: SandboxManager;

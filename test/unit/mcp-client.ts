@@ -110,3 +110,18 @@ export class McpClient {
     return this.exited;
   }
 }
+
+/**
+ * A session with a new `forkling mcp` (the process engine): initialized (its
+ * answer to `fn`), then its stdin closed, after which it must exit 0 (what it
+ * logged is the message). Resolves with the client, for its log.
+ */
+export async function withMcp(fn: (c: McpClient, init: Msg) => Promise<void>): Promise<McpClient> {
+  const c = new McpClient();
+  try {
+    await fn(c, await c.init());
+  } finally {
+    assert.is(await c.end(), 0, c.stderr.join(''));
+  }
+  return c;
+}

@@ -4,12 +4,10 @@ import { test } from 'uvu';
 import * as assert from 'uvu/assert';
 import { MAX_LINE_BYTES, MCP_VERSIONS } from '../../host/mcp/server.ts';
 import { MAX_OUTPUT_CHARS } from '../../host/mcp/tools.ts';
-import { McpClient as Client, type Msg } from './mcp-client.ts';
+import { McpClient as Client, type Msg, withMcp } from './mcp-client.ts';
 
 test('initialize, ping, tools/list: versions, capabilities and each tool with its argument schema', async () => {
-  const c = new Client();
-  try {
-    const init = await c.init();
+  await withMcp(async (c, init) => {
     assert.is(init.result.protocolVersion, '2025-06-18');
     assert.equal(init.result.capabilities, { tools: { listChanged: false } });
     assert.is(init.result.serverInfo.name, 'forkling');
@@ -35,15 +33,11 @@ test('initialize, ping, tools/list: versions, capabilities and each tool with it
       assert.ok(t.description.length > 20, t.name);
     }
     assert.equal(tools.find((t) => t.name === 'eval')!.inputSchema.required.sort(), ['code', 'sandbox']);
-  } finally {
-    assert.is(await c.end(), 0, c.stderr.join(''));
-  }
+  });
 });
 
 test('what is not a valid call is a JSON-RPC error; a tool\'s own failure is a result with isError', async () => {
-  const c = new Client();
-  try {
-    await c.init();
+  await withMcp(async (c) => {
     assert.is((await c.raw('{"jsonrpc": "2.0", "id": 7, ', null)).error.code, -32700);
     assert.is((await c.raw('[{"jsonrpc": "2.0", "id": 8, "method": "ping"}]', null)).error.code, -32600);
     assert.is((await c.raw('{"id": 9, "method": "ping"}', 9)).error.code, -32600);
@@ -64,15 +58,11 @@ test('what is not a valid call is a JSON-RPC error; a tool\'s own failure is a r
     assert.match(await c.fails('sandbox_create', { template: 'no-such-template' }), /no-such-template/);
     // The server still answers.
     assert.equal((await c.request('ping')).result, {});
-  } finally {
-    assert.is(await c.end(), 0, c.stderr.join(''));
-  }
+  });
 });
 
 test('a sandbox: Python state kept between evals, commands, files both ways, branch, kill', async () => {
-  const c = new Client();
-  try {
-    await c.init();
+  const session = await withMcp(async (c) => {
     const { sandbox } = await c.ok('sandbox_create');
     assert.is(sandbox.template, 'default');
     assert.is(sandbox.expiresAt - sandbox.createdAt, 3_600_000, 'an hour unless the model says otherwise');
@@ -123,16 +113,12 @@ test('a sandbox: Python state kept between evals, commands, files both ways, bra
     assert.equal(await c.ok('sandbox_kill', { sandbox: k1 }), { killed: true });
     assert.match(await c.fails('eval', { sandbox: k1, code: '1' }), /^sandbox_ended: /);
     assert.is((await c.ok('eval', { sandbox: k2, code: 'x' })).value, 41, 'its sibling lives on');
-  } finally {
-    assert.is(await c.end(), 0, c.stderr.join(''));
-  }
-  assert.match(c.stderr.join(''), /stdin closed: killing 2 sandboxes/);
+  });
+  assert.match(session.stderr.join(''), /stdin closed: killing 2 sandboxes/);
 });
 
 test('long output is cut to a head and a tail; a cancelled call ends at once and the sandbox goes on', async () => {
-  const c = new Client();
-  try {
-    await c.init();
+  await withMcp(async (c) => {
     const id = (await c.ok('sandbox_create')).sandbox.id as string;
     const r = await c.ok('eval', { sandbox: id, code: 'print("A" * 300000 + "END")' });
     assert.ok(r.stdout.length < MAX_OUTPUT_CHARS + 100, `${r.stdout.length} characters`);
@@ -156,15 +142,11 @@ test('long output is cut to a head and a tail; a cancelled call ends at once and
     assert.is(first, 'next');
     assert.is((await next).value, 42);
     assert.ok(performance.now() - t0 < 20_000, 'it did not wait for the sleep');
-  } finally {
-    assert.is(await c.end(), 0, c.stderr.join(''));
-  }
+  });
 });
 
 test('stdin: a line too long is skipped and answered by its id; a last line without a newline is taken', async () => {
-  const c = new Client();
-  try {
-    await c.init();
+  await withMcp(async (c) => {
     const pad = 'A'.repeat(MAX_LINE_BYTES);
     const first = await c.raw(`{"jsonrpc":"2.0","id":77,"method":"ping","params":{"pad":"${pad}"}}`, 77);
     assert.is(first.error.code, -32600);
@@ -173,9 +155,7 @@ test('stdin: a line too long is skipped and answered by its id; a last line with
     assert.is(last.error.code, -32600);
     assert.equal((await c.request('ping')).result, {}, 'the next line is taken');
     assert.equal((await c.raw('{"jsonrpc":"2.0","id":"eof","method":"ping"}', 'eof', false)).result, {});
-  } finally {
-    assert.is(await c.end(), 0, c.stderr.join(''));
-  }
+  });
 });
 
 test('SIGTERM with stdin still open: its sandboxes are killed and it exits 0', async () => {
